@@ -1,0 +1,52 @@
+"""The generic, model-free DataKit: records -> samples -> packs -> batches, with honest accounting."""
+
+from .accounting import TokenAccounting
+from .assembler import (
+    BestFitDecreasingAssembler,
+    GreedyAssembler,
+    MLLMPackingAssembler,
+    OverlongSampleError,
+    PackPlan,
+    SingleSampleAssembler,
+)
+from .collator import MLLMCollator
+from .dataset import EpochPlan, MLLMDataKit, MLLMPackedDataset, MLLMStreamingPackedDataset
+from .images import load_image, read_image_size
+from .media import MLLMMediaHandler
+from .pack import MLLMPack
+from .sample import IGNORE_INDEX, MLLMRecord, MLLMSample, MLLMSampleEncoder, SampleMeta
+from .sources import MLLMRecordError, read_records
+from .spec import MLLMDataSpec, MLLMPackingSpec
+from .steps import estimate_total_steps, micro_batches_per_rank, optimizer_steps, packs_per_rank
+
+__all__ = [
+    "IGNORE_INDEX",
+    "BestFitDecreasingAssembler",
+    "EpochPlan",
+    "GreedyAssembler",
+    "MLLMCollator",
+    "MLLMDataKit",
+    "MLLMDataSpec",
+    "MLLMMediaHandler",
+    "MLLMPack",
+    "MLLMPackedDataset",
+    "MLLMPackingAssembler",
+    "MLLMPackingSpec",
+    "MLLMRecord",
+    "MLLMRecordError",
+    "MLLMSample",
+    "MLLMSampleEncoder",
+    "MLLMStreamingPackedDataset",
+    "OverlongSampleError",
+    "PackPlan",
+    "SampleMeta",
+    "SingleSampleAssembler",
+    "TokenAccounting",
+    "estimate_total_steps",
+    "load_image",
+    "micro_batches_per_rank",
+    "optimizer_steps",
+    "packs_per_rank",
+    "read_image_size",
+    "read_records",
+]

@@ -1,0 +1,85 @@
+"""Token accounting: what a batch or an epoch really contained, so throughput and padding claims are honest."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .sample import IGNORE_INDEX
+
+
+@dataclass
+class TokenAccounting:
+    """Counts that add up across batches, ranks and epochs.
+
+    ``slots`` = rows x padded length; ``effective`` = tokens of real samples; ``supervised`` = tokens with a
+    label; ``attention_work`` = sum of squared segment lengths (what block-causal attention computes) against
+    ``dense_attention_work`` = rows x padded length squared (what one unmasked attention per row would).
+    """
+
+    slots: int = 0
+    effective: int = 0
+    supervised: int = 0
+    media_tokens: int = 0
+    samples: int = 0
+    packs: int = 0
+    batches: int = 0
+    attention_work: int = 0
+    dense_attention_work: int = 0
+    dropped: Counter = field(default_factory=Counter)
+
+    @classmethod
+    def from_batch(cls, batch: dict) -> TokenAccounting:
+        segments = batch["pack_segment_ids"]
+        rows, width = segments.shape
+        real = segments >= 0
+        cu = batch["cu_seqlens"].long()
+        seg_lengths = cu[1:] - cu[:-1]
+        # segments that start on a real token are samples; padding runs start on segment id -1
+        starts_real = real.reshape(-1)[cu[:-1]]
+        return cls(
+            slots=rows * width,
+            effective=int(real.sum()),
+            supervised=int((batch["labels"] != IGNORE_INDEX).sum()),
+            media_tokens=int(batch["media_tokens"].sum()),
+            samples=int(batch["source_sample_num"].sum()),
+            packs=int((batch["source_sample_num"] > 0).sum()),
+            batches=1,
+            attention_work=int((seg_lengths[starts_real] ** 2).sum()),
+            dense_attention_work=rows * width * width,
+        )
+
+    def __add__(self, other: TokenAccounting) -> TokenAccounting:
+        merged = {name: getattr(self, name) + getattr(other, name) for name in self._counts()}
+        return TokenAccounting(**merged, dropped=self.dropped + other.dropped)
+
+    @staticmethod
+    def _counts() -> tuple[str, ...]:
+        return ("slots", "effective", "supervised", "media_tokens", "samples", "packs", "batches",
+                "attention_work", "dense_attention_work")
+
+    @property
+    def padding_ratio(self) -> float:
+        return 1.0 - self.effective / self.slots if self.slots else 0.0
+
+    @property
+    def attention_work_ratio(self) -> float:
+        return self.attention_work / self.dense_attention_work if self.dense_attention_work else 0.0
+
+    def as_tensor(self) -> torch.Tensor:
+        """The additive counts as one tensor, for summing across ranks in a single all-reduce."""
+        return torch.tensor([getattr(self, name) for name in self._counts()], dtype=torch.float64)
+
+    @classmethod
+    def from_tensor(cls, values: torch.Tensor, dropped: Counter | None = None) -> TokenAccounting:
+        return cls(**{name: int(v) for name, v in zip(cls._counts(), values.tolist())}, dropped=dropped or Counter())
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["dropped"] = dict(self.dropped)
+        out["dropped_total"] = sum(self.dropped.values())
+        out["padding_ratio"] = self.padding_ratio
+        out["attention_work_ratio"] = self.attention_work_ratio
+        return out

@@ -1,0 +1,62 @@
+"""Batching packs (or single samples) into rectangular tensors padded with the inactive values."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from .media import MLLMMediaHandler
+from .pack import TOKEN_FIELDS
+from .sample import IGNORE_INDEX
+
+NON_MEDIA_FIELDS = set(TOKEN_FIELDS) | {"source_sample_num", "cu_seqlens", "max_seqlen", "media_tokens",
+                                        "sample_ids", "media_segment_ids"}
+
+
+class MLLMCollator:
+    """Pads each row to a common length: ``input_ids`` pad id, ``labels`` -100, ``pack_segment_ids`` -1,
+    ``position_ids`` one fresh run 0,1,2,... for the padding, and emits batch-level ``cu_seqlens`` over the
+    flattened rows in which each row's padding run is a segment of its own.
+    """
+
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None):
+        if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
+            raise ValueError(f"pad_to_multiple_of={pad_to_multiple_of} is invalid: allowed null or an int >= 1")
+        self.pad_token_id = pad_token_id
+        self.pad_to_multiple_of = pad_to_multiple_of
+
+    def padded_length(self, longest: int) -> int:
+        multiple = self.pad_to_multiple_of or 1
+        return max(multiple, math.ceil(longest / multiple) * multiple)
+
+    def __call__(self, rows: Sequence[dict]) -> dict:
+        width = self.padded_length(max(len(row["input_ids"]) for row in rows))
+        fill = {"input_ids": self.pad_token_id, "labels": IGNORE_INDEX, "pack_segment_ids": -1}
+        batch: dict = {}
+        for key, value in fill.items():
+            out = torch.full((len(rows), width), value, dtype=torch.long)
+            for b, row in enumerate(rows):
+                out[b, : len(row[key])] = row[key]
+            batch[key] = out
+        positions = torch.arange(width).repeat(len(rows), 1)
+        boundaries = [0]
+        for b, row in enumerate(rows):
+            n = len(row["position_ids"])
+            positions[b, :n] = row["position_ids"]
+            positions[b, n:] -= n
+            offset = b * width
+            boundaries.extend((offset + row["cu_seqlens"][1:].long()).tolist())
+            if n < width:
+                boundaries.append(offset + width)
+        batch["position_ids"] = positions
+        cu_seqlens = torch.tensor(boundaries, dtype=torch.int32)
+        batch["cu_seqlens"] = cu_seqlens
+        batch["max_seqlen"] = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        batch["source_sample_num"] = torch.tensor([row["source_sample_num"] for row in rows], dtype=torch.long)
+        batch["media_tokens"] = torch.tensor([row["media_tokens"] for row in rows], dtype=torch.long)
+        batch["sample_ids"] = [row["sample_ids"] for row in rows]
+        media_keys = sorted({key for row in rows for key in row if key not in NON_MEDIA_FIELDS})
+        batch.update(MLLMMediaHandler.merge_batch(rows, media_keys))
+        return batch

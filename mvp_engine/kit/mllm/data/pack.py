@@ -1,0 +1,57 @@
+"""A pack: several samples laid end to end in one row, with the metadata that keeps them apart."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .media import MLLMMediaHandler
+from .sample import IGNORE_INDEX, MLLMSample
+
+TOKEN_FIELDS = ("input_ids", "labels", "pack_segment_ids", "position_ids")
+
+
+@dataclass
+class MLLMPack:
+    """Samples sharing one row. An empty pack is a legal all-padding row (``source_sample_num`` 0)."""
+
+    samples: list[MLLMSample]
+    media_handler: MLLMMediaHandler = field(default_factory=MLLMMediaHandler)
+
+    @property
+    def source_sample_num(self) -> int:
+        return len(self.samples)
+
+    @property
+    def length(self) -> int:
+        return sum(s.length for s in self.samples)
+
+    def to_model_inputs(self) -> dict:
+        """Flat per-pack fields: token fields of the pack's length, segment boundaries and merged media.
+
+        The first label of every segment is ignored so no sample learns to predict the next one's first token.
+        """
+        lengths = torch.tensor([s.length for s in self.samples], dtype=torch.long)
+        if self.samples:
+            input_ids = torch.cat([s.input_ids for s in self.samples]).long()
+            labels = torch.cat([s.labels for s in self.samples]).long().clone()
+        else:
+            input_ids = labels = torch.zeros(0, dtype=torch.long)
+        cu_seqlens = torch.zeros(len(self.samples) + 1, dtype=torch.int32)
+        cu_seqlens[1:] = torch.cumsum(lengths, 0)
+        labels[cu_seqlens[:-1].long()] = IGNORE_INDEX
+        inputs = {
+            "input_ids": input_ids,
+            "labels": labels,
+            "pack_segment_ids": torch.repeat_interleave(torch.arange(len(self.samples)), lengths),
+            "position_ids": torch.cat([torch.arange(n) for n in lengths.tolist()]) if self.samples
+            else torch.zeros(0, dtype=torch.long),
+            "source_sample_num": len(self.samples),
+            "cu_seqlens": cu_seqlens,
+            "max_seqlen": int(lengths.max()) if self.samples else 0,
+            "media_tokens": sum(s.media_tokens for s in self.samples),
+            "sample_ids": [s.sample_id for s in self.samples],
+        }
+        inputs.update(self.media_handler.merge_pack(self.samples))
+        return inputs

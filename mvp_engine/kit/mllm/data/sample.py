@@ -1,0 +1,112 @@
+"""Records, encoded samples and their metadata: the units the DataKit moves around."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class MLLMRecord:
+    """One conversation as read from a source, normalised to OpenAI-style messages.
+
+    ``messages`` is a list of ``{"role": "system"|"user"|"assistant", "content": [part, ...]}`` where a part is
+    ``{"type": "text", "text": str}`` or ``{"type": "image", "path": str}`` (an absolute path). ``origin``
+    names the file and line the record came from, so every error about it can point there.
+    """
+
+    record_id: str
+    origin: str
+    messages: list[dict]
+
+    @property
+    def image_paths(self) -> list[str]:
+        return [
+            part["path"]
+            for message in self.messages
+            for part in message["content"]
+            if part["type"] == "image"
+        ]
+
+
+@dataclass(frozen=True)
+class SampleMeta:
+    """What planning needs about a sample, obtained without decoding any image.
+
+    ``media_end`` is the token index just past the last media placeholder (0 when text-only): a sample may be
+    truncated to ``n`` tokens only when ``media_end <= n``, so truncation never cuts through media tokens.
+    """
+
+    length: int
+    num_media: int = 0
+    media_end: int = 0
+
+
+@dataclass
+class MLLMSample:
+    """One encoded conversation: token ids, labels aligned with them (the model shifts), and its media.
+
+    ``media`` maps field names (``pixel_values``, ``image_grid_thw``, ...) to tensors whose first dimension
+    runs over this sample's media items or patches; merging a pack concatenates them along that dimension.
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    sample_id: str = ""
+    media: dict[str, torch.Tensor] = field(default_factory=dict)
+    num_media: int = 0
+    media_tokens: int = 0
+    media_end: int = 0
+
+    def __post_init__(self) -> None:
+        if self.input_ids.dim() != 1 or self.labels.shape != self.input_ids.shape:
+            raise ValueError(
+                f"sample {self.sample_id!r}: input_ids and labels must be 1-D of equal length, got "
+                f"{tuple(self.input_ids.shape)} and {tuple(self.labels.shape)}"
+            )
+
+    @property
+    def length(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def supervised_tokens(self) -> int:
+        return int((self.labels != IGNORE_INDEX).sum())
+
+    @property
+    def meta(self) -> SampleMeta:
+        return SampleMeta(self.length, self.num_media, self.media_end)
+
+    def truncated(self, max_len: int) -> MLLMSample:
+        """Cut text tokens past ``max_len``; refuses to cut through media placeholders."""
+        if self.media_end > max_len:
+            raise ValueError(
+                f"sample {self.sample_id!r}: cannot truncate to {max_len} tokens, media tokens run to "
+                f"{self.media_end}"
+            )
+        return MLLMSample(
+            input_ids=self.input_ids[:max_len],
+            labels=self.labels[:max_len],
+            sample_id=self.sample_id,
+            media=self.media,
+            num_media=self.num_media,
+            media_tokens=self.media_tokens,
+            media_end=self.media_end,
+        )
+
+
+@runtime_checkable
+class MLLMSampleEncoder(Protocol):
+    """What a recipe implements to turn records into samples.
+
+    ``measure`` must return exactly the length and media count that ``encode`` will produce, reading image
+    sizes from file headers only, so that a whole epoch can be planned without decoding an image.
+    """
+
+    def encode(self, record: MLLMRecord) -> MLLMSample: ...
+
+    def measure(self, record: MLLMRecord) -> SampleMeta: ...

@@ -1,0 +1,359 @@
+"""Reading training records from JSON / JSONL files into :class:`MLLMRecord`, model-free.
+
+Two record formats are accepted, detected per record, so one file may mix them:
+
+* **LLaVA style** — ``{"id"?, "image": str | "images": [str], "conversations": [{"from", "value"}, ...]}``
+  with ``from`` in ``human``/``gpt``/``system`` (``user``/``assistant`` are accepted as aliases). ``<image>``
+  tags in the text mark where the images go, in order.
+* **OpenAI style** — ``{"id"?, "messages": [{"role", "content"}, ...], "images"?: [str]}`` with ``role`` in
+  ``system``/``user``/``assistant``. ``content`` is a string or a list of parts: ``{"type": "text", "text"}``
+  or ``{"type": "image", "image" | "path" | "image_url": ...}`` (also ``{"type": "image_url", "image_url":
+  {"url": ...}}``); ``image_url`` may be a string or ``{"url": str}``, ``file://`` URLs are accepted, remote
+  ones are not (training must not depend on the network). A ``<image>`` tag in text, or an image part without
+  a source, takes the next path from the top-level ``images`` list.
+
+Normalisation (what every encoder can rely on):
+
+* Image parts sit exactly where their tag or part was; the text around them is kept byte for byte (the
+  ``"\\n"`` after a LLaVA ``<image>`` tag stays, as LLaVA-style pipelines keep it). Adjacent text parts are
+  joined (chat templates concatenate parts without a separator, so this changes nothing rendered) and empty
+  text parts are dropped, so equivalent content in either format yields the same record.
+* A record that has images but no ``<image>`` tag / image slot at all follows the LLaVA convention: all its
+  images go, in order, at the start of the first user turn.
+* Relative image paths are resolved against ``image_root`` (default: the data file's directory) and made
+  absolute; every image file must exist.
+* ``record_id`` is the record's ``id`` (string or integer) or, without one, its origin.
+
+Every problem raises :class:`MLLMRecordError` whose message starts with the record's origin (``file:line``),
+so a bad record in a million-line file can be found at once; no bare ``KeyError``/``TypeError`` escapes.
+In a ``.json`` file the origin line is the line where the record starts; when several records start on the
+same line (minified JSON), ``#N`` (1-based record index) is appended.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from mvp_engine.kit.mllm.data.sample import MLLMRecord
+
+IMAGE_TAG = "<image>"
+_TAG_SPLIT = re.compile(re.escape(IMAGE_TAG))
+
+_LLAVA_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+_OPENAI_ROLES = {"system": "system", "user": "user", "assistant": "assistant"}
+_IMAGE_SOURCE_KEYS = ("path", "image", "image_url")
+
+# Marks an image whose path comes from the top-level ``images`` list (a ``<image>`` tag or a bare image part).
+_SLOT = object()
+
+
+class MLLMRecordError(ValueError):
+    """A training record (or a file or image it names) that cannot be used; the message starts with its origin."""
+
+
+def read_records(path: str | os.PathLike, image_root: str | os.PathLike | None = None) -> Iterator[MLLMRecord]:
+    """Yield the records of a ``.json`` (list of records) or ``.jsonl`` (one per line) file, validated.
+
+    Lazy for JSONL (one line at a time, so huge files stream); a ``.json`` file is parsed whole, as JSON
+    requires. Blank JSONL lines are skipped.
+    """
+    path = Path(path)
+    name = str(path)
+    root = Path(image_root) if image_root is not None else path.parent
+    root = Path(os.path.abspath(root))
+    suffix = path.suffix.lower()
+    if suffix not in (".json", ".jsonl"):
+        raise MLLMRecordError(f"{name}: unsupported file type {path.suffix!r} (expected .json or .jsonl)")
+    if not path.is_file():
+        raise MLLMRecordError(f"{name}: data file not found")
+    raw_records = _iter_jsonl(path, name) if suffix == ".jsonl" else _iter_json(path, name)
+    for origin, raw in raw_records:
+        yield parse_record(raw, origin, root)
+
+
+def parse_record(raw: Any, origin: str, image_root: str | os.PathLike) -> MLLMRecord:
+    """Validate one decoded JSON value and normalise it to an :class:`MLLMRecord` (see module docstring)."""
+    if not isinstance(raw, dict):
+        raise MLLMRecordError(f"{origin}: record is not a JSON object (got {_json_type(raw)})")
+    has_llava, has_openai = "conversations" in raw, "messages" in raw
+    if has_llava and has_openai:
+        raise MLLMRecordError(f"{origin}: record has both 'conversations' (LLaVA) and 'messages' (OpenAI)")
+    if not (has_llava or has_openai):
+        raise MLLMRecordError(
+            f"{origin}: record is neither LLaVA style ('conversations') nor OpenAI style ('messages'); "
+            f"keys: {sorted(raw)}"
+        )
+    images = [_resolve_image(p, origin, image_root) for p in _top_level_images(raw, origin)]
+    messages = _llava_messages(raw, origin) if has_llava else _openai_messages(raw, origin, image_root)
+    _check_roles(messages, origin)
+    _fill_slots(messages, images, origin)
+    messages = [{"role": m["role"], "content": _merge_text(m["content"])} for m in messages]
+    for index, message in enumerate(messages, start=1):
+        if not message["content"]:
+            raise MLLMRecordError(f"{origin}: turn {index} ({message['role']}) is empty")
+    return MLLMRecord(record_id=_record_id(raw, origin), origin=origin, messages=messages)
+
+
+# --- files -------------------------------------------------------------------------------------------------
+
+
+def _iter_jsonl(path: Path, name: str) -> Iterator[tuple[str, Any]]:
+    with path.open("rb") as handle:
+        for line_no, line in enumerate(handle, start=1):
+            origin = f"{name}:{line_no}"
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise MLLMRecordError(f"{origin}: line is not valid UTF-8 ({exc})") from None
+            if not text.strip():
+                continue
+            try:
+                yield origin, json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise MLLMRecordError(f"{origin}: invalid JSON: {exc.msg} (column {exc.colno})") from None
+
+
+def _iter_json(path: Path, name: str) -> Iterator[tuple[str, Any]]:
+    """Decode a JSON list element by element so each record knows the line it starts on."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise MLLMRecordError(f"{name}: file is not valid UTF-8 ({exc})") from None
+    decoder = json.JSONDecoder()
+    ws = re.compile(r"[ \t\n\r]*")
+
+    def skip(pos: int) -> int:
+        return ws.match(text, pos).end()
+
+    def fail(pos: int, what: str) -> MLLMRecordError:
+        line = text.count("\n", 0, pos) + 1
+        return MLLMRecordError(f"{name}:{line}: invalid JSON: {what}")
+
+    pos = skip(0)
+    if pos >= len(text) or text[pos] != "[":
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise MLLMRecordError(f"{name}:{exc.lineno}: invalid JSON: {exc.msg} (column {exc.colno})") from None
+        raise MLLMRecordError(f"{name}:1: a .json data file must hold a list of records, got {_json_type(value)}")
+    starts: list[tuple[int, Any]] = []
+    pos = skip(pos + 1)
+    if pos < len(text) and text[pos] == "]":
+        pos = skip(pos + 1)
+    else:
+        while True:
+            try:
+                value, end = decoder.raw_decode(text, pos)
+            except json.JSONDecodeError as exc:
+                raise MLLMRecordError(f"{name}:{exc.lineno}: invalid JSON: {exc.msg} (column {exc.colno})") from None
+            starts.append((pos, value))
+            pos = skip(end)
+            if pos < len(text) and text[pos] == ",":
+                pos = skip(pos + 1)
+                continue
+            if pos < len(text) and text[pos] == "]":
+                pos = skip(pos + 1)
+                break
+            raise fail(pos, "expected ',' or ']' after a record")
+    if pos != len(text):
+        raise fail(pos, "extra data after the list of records")
+    lines, line, last = [], 1, 0
+    for start, _ in starts:
+        line += text.count("\n", last, start)
+        last = start
+        lines.append(line)
+    shared = {ln for i, ln in enumerate(lines) if i and lines[i - 1] == ln}
+    for index, ((_, value), ln) in enumerate(zip(starts, lines, strict=True), start=1):
+        origin = f"{name}:{ln}#{index}" if ln in shared else f"{name}:{ln}"
+        yield origin, value
+
+
+# --- formats -----------------------------------------------------------------------------------------------
+
+
+def _llava_messages(raw: dict, origin: str) -> list[dict]:
+    conversations = raw["conversations"]
+    if not isinstance(conversations, list):
+        raise MLLMRecordError(f"{origin}: 'conversations' must be a list, got {_json_type(conversations)}")
+    messages = []
+    for index, turn in enumerate(conversations, start=1):
+        where = f"{origin}: conversations turn {index}"
+        if not isinstance(turn, dict):
+            raise MLLMRecordError(f"{where} is not an object (got {_json_type(turn)})")
+        if "from" not in turn:
+            raise MLLMRecordError(f"{where} has no 'from'")
+        speaker = turn["from"]
+        if not isinstance(speaker, str) or speaker not in _LLAVA_ROLES:
+            raise MLLMRecordError(f"{where}: unknown 'from' {speaker!r} (expected human, gpt or system)")
+        if "value" not in turn:
+            raise MLLMRecordError(f"{where} has no 'value'")
+        value = turn["value"]
+        if not isinstance(value, str):
+            raise MLLMRecordError(f"{where}: 'value' must be a string, got {_json_type(value)}")
+        messages.append({"role": _LLAVA_ROLES[speaker], "content": _split_tags(value)})
+    return messages
+
+
+def _openai_messages(raw: dict, origin: str, image_root) -> list[dict]:
+    turns = raw["messages"]
+    if not isinstance(turns, list):
+        raise MLLMRecordError(f"{origin}: 'messages' must be a list, got {_json_type(turns)}")
+    messages = []
+    for index, turn in enumerate(turns, start=1):
+        where = f"{origin}: messages turn {index}"
+        if not isinstance(turn, dict):
+            raise MLLMRecordError(f"{where} is not an object (got {_json_type(turn)})")
+        if "role" not in turn:
+            raise MLLMRecordError(f"{where} has no 'role'")
+        role = turn["role"]
+        if not isinstance(role, str) or role not in _OPENAI_ROLES:
+            raise MLLMRecordError(f"{where}: unknown role {role!r} (expected system, user or assistant)")
+        if "content" not in turn:
+            raise MLLMRecordError(f"{where} has no 'content'")
+        content = turn["content"]
+        if isinstance(content, str):
+            parts = _split_tags(content)
+        elif isinstance(content, list):
+            parts = []
+            for part_index, part in enumerate(content, start=1):
+                parts.extend(_openai_part(part, f"{where}, part {part_index}", image_root))
+        else:
+            raise MLLMRecordError(f"{where}: 'content' must be a string or a list of parts, got {_json_type(content)}")
+        messages.append({"role": _OPENAI_ROLES[role], "content": parts})
+    return messages
+
+
+def _openai_part(part: Any, where: str, image_root) -> list:
+    if not isinstance(part, dict):
+        raise MLLMRecordError(f"{where} is not an object (got {_json_type(part)})")
+    kind = part.get("type")
+    if kind == "text":
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise MLLMRecordError(f"{where}: text part needs a string 'text', got {_json_type(text)}")
+        return _split_tags(text)
+    if kind in ("image", "image_url"):
+        sources = [key for key in _IMAGE_SOURCE_KEYS if part.get(key) is not None]
+        if not sources:
+            return [_SLOT]
+        if len(sources) > 1:
+            raise MLLMRecordError(f"{where}: image part has several sources {sources}; give one")
+        value = part[sources[0]]
+        if isinstance(value, dict) and sources[0] == "image_url":
+            value = value.get("url")
+        if not isinstance(value, str):
+            raise MLLMRecordError(f"{where}: image {sources[0]!r} must be a path string, got {_json_type(value)}")
+        return [{"type": "image", "path": _resolve_image(value, where, image_root)}]
+    raise MLLMRecordError(f"{where}: unsupported content part type {kind!r} (expected 'text' or 'image')")
+
+
+# --- validation and normalisation --------------------------------------------------------------------------
+
+
+def _check_roles(messages: list[dict], origin: str) -> None:
+    if not messages:
+        raise MLLMRecordError(f"{origin}: empty conversation")
+    for index, message in enumerate(messages[1:], start=2):
+        if message["role"] == "system":
+            raise MLLMRecordError(f"{origin}: turn {index} is a system turn; only the first turn may be system")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise MLLMRecordError(f"{origin}: no assistant turn, nothing to train on")
+    if messages[-1]["role"] != "assistant":
+        raise MLLMRecordError(
+            f"{origin}: conversation does not end with an assistant turn (last turn is {messages[-1]['role']})"
+        )
+    if not any(m["role"] == "user" for m in messages):
+        raise MLLMRecordError(f"{origin}: no user turn")
+
+
+def _fill_slots(messages: list[dict], images: list[str], origin: str) -> None:
+    """Put the top-level images into their slots, or at the start of the first user turn if there are none."""
+    slots = sum(1 for m in messages for part in m["content"] if part is _SLOT)
+    if slots == 0 and images:
+        first_user = next(m for m in messages if m["role"] == "user")
+        first_user["content"] = [_SLOT] * len(images) + first_user["content"]
+        slots = len(images)
+    if slots != len(images):
+        raise MLLMRecordError(
+            f"{origin}: {slots} {IMAGE_TAG} tag(s)/image slot(s) but {len(images)} image(s) in the record"
+        )
+    queue = iter(images)
+    for message in messages:
+        message["content"] = [
+            {"type": "image", "path": next(queue)} if part is _SLOT else part for part in message["content"]
+        ]
+
+
+def _split_tags(text: str) -> list:
+    pieces = _TAG_SPLIT.split(text)
+    parts: list = []
+    for index, piece in enumerate(pieces):
+        if index:
+            parts.append(_SLOT)
+        if piece:
+            parts.append({"type": "text", "text": piece})
+    return parts
+
+
+def _merge_text(parts: list[dict]) -> list[dict]:
+    merged: list[dict] = []
+    for part in parts:
+        if part["type"] == "text":
+            if not part["text"]:
+                continue
+            if merged and merged[-1]["type"] == "text":
+                merged[-1] = {"type": "text", "text": merged[-1]["text"] + part["text"]}
+                continue
+        merged.append(part)
+    return merged
+
+
+def _top_level_images(raw: dict, origin: str) -> list[str]:
+    if "image" in raw and "images" in raw:
+        raise MLLMRecordError(f"{origin}: record has both 'image' and 'images'; use one")
+    if "image" in raw:
+        value = raw["image"]
+        if value is None:
+            return []
+        if not isinstance(value, str):
+            raise MLLMRecordError(f"{origin}: 'image' must be a path string, got {_json_type(value)}")
+        return [value]
+    value = raw.get("images")
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise MLLMRecordError(f"{origin}: 'images' must be a list of path strings")
+    return list(value)
+
+
+def _resolve_image(value: str, where: str, image_root) -> str:
+    """Absolute path of an image reference, checked to exist; ``where`` prefixes the error message."""
+    if value.startswith("file://"):
+        value = value[len("file://") :]
+    elif re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", value) and not re.match(r"^[A-Za-z]:[\\/]", value):
+        raise MLLMRecordError(f"{where}: image {value[:80]!r} is a URL; only local files are supported")
+    if not value:
+        raise MLLMRecordError(f"{where}: empty image path")
+    path = os.path.abspath(os.path.join(image_root, value))
+    if not os.path.isfile(path):
+        raise MLLMRecordError(f"{where}: image file not found: {path}")
+    return path
+
+
+def _record_id(raw: dict, origin: str) -> str:
+    if "id" not in raw or raw["id"] is None:
+        return origin
+    value = raw["id"]
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise MLLMRecordError(f"{origin}: 'id' must be a string or an integer, got {_json_type(value)}")
+    return str(value)
+
+
+def _json_type(value: Any) -> str:
+    names = {dict: "object", list: "list", str: "string", bool: "boolean", int: "number", float: "number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)

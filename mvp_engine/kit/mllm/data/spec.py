@@ -1,0 +1,97 @@
+"""Packing and data specs: structured configs validated on construction, registered with Hydra."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+
+STRATEGIES = ("greedy", "bfd")
+OVERLONG_POLICIES = ("drop", "error", "truncate")
+
+
+def _require(ok: bool, field_name: str, allowed: str, value: Any) -> None:
+    if not ok:
+        raise ValueError(f"packing.{field_name}={value!r} is invalid: allowed {allowed}")
+
+
+@dataclass
+class MLLMPackingSpec:
+    """How samples are grouped into packs.
+
+    ``strategy``: ``greedy`` (streaming first-fit over ``max_open_packs`` open packs fed from a seeded shuffle
+    buffer of ``buffer_size`` samples) or ``bfd`` (best-fit-decreasing over each buffer of ``buffer_size``
+    samples; a whole-dataset plan when the buffer covers the dataset). ``assembler_cls`` (a dotted path or a
+    class) replaces the built-in algorithm. ``None`` caps mean unlimited. ``overlong``: what happens to a sample
+    longer than ``max_seq_len``: ``drop`` (counted), ``error``, or ``truncate`` (text only; a sample whose media
+    tokens run past the limit is dropped and counted instead).
+    """
+
+    max_seq_len: int = 4096
+    strategy: str = "greedy"
+    max_open_packs: int = 64
+    buffer_size: int = 1024
+    max_media_per_pack: int | None = None
+    max_samples_per_pack: int | None = None
+    overlong: str = "drop"
+    seed: int = 0
+    assembler_cls: Any = None
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.max_seq_len, int) and self.max_seq_len >= 1, "max_seq_len", "an int >= 1",
+                 self.max_seq_len)
+        _require(self.strategy in STRATEGIES or self.assembler_cls is not None, "strategy",
+                 f"one of {list(STRATEGIES)} (or set assembler_cls)", self.strategy)
+        _require(isinstance(self.max_open_packs, int) and self.max_open_packs >= 1, "max_open_packs",
+                 "an int >= 1", self.max_open_packs)
+        _require(isinstance(self.buffer_size, int) and self.buffer_size >= 1, "buffer_size", "an int >= 1",
+                 self.buffer_size)
+        for name in ("max_media_per_pack", "max_samples_per_pack"):
+            value = getattr(self, name)
+            _require(value is None or (isinstance(value, int) and value >= 1), name, "null or an int >= 1", value)
+        _require(self.overlong in OVERLONG_POLICIES, "overlong", f"one of {list(OVERLONG_POLICIES)}", self.overlong)
+        _require(isinstance(self.seed, int) and self.seed >= 0, "seed", "an int >= 0", self.seed)
+        _require(self.assembler_cls is None or isinstance(self.assembler_cls, (str, type)), "assembler_cls",
+                 "null, a dotted path or a class", self.assembler_cls)
+
+
+@dataclass
+class MLLMDataSpec:
+    """Where records come from and how they become batches.
+
+    ``packing=None`` means no packing: one sample per item, padded by the collator; ``max_seq_len`` and
+    ``overlong`` then bound single samples the same way packing would.
+    """
+
+    sources: list[str] = field(default_factory=list)
+    image_root: str | None = None
+    packing: MLLMPackingSpec | None = None
+    max_seq_len: int = 4096
+    overlong: str = "drop"
+    seed: int = 0
+    shuffle: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.sources, str):
+            self.sources = [self.sources]
+        if self.overlong not in OVERLONG_POLICIES:
+            raise ValueError(f"data.overlong={self.overlong!r} is invalid: allowed one of {list(OVERLONG_POLICIES)}")
+        if not isinstance(self.max_seq_len, int) or self.max_seq_len < 1:
+            raise ValueError(f"data.max_seq_len={self.max_seq_len!r} is invalid: allowed an int >= 1")
+
+    def effective_packing(self) -> MLLMPackingSpec:
+        """The packing spec to plan with; unpacked data plans one sample per pack under the data limits."""
+        if self.packing is not None:
+            return self.packing
+        return MLLMPackingSpec(max_seq_len=self.max_seq_len, overlong=self.overlong, seed=self.seed,
+                               assembler_cls="mvp_engine.kit.mllm.data.assembler.SingleSampleAssembler")
+
+
+def register_configs() -> None:
+    """Make ``conf/packing/*.yaml`` validate against :class:`MLLMPackingSpec`."""
+    cs = ConfigStore.instance()
+    cs.store(group="packing", name="packing_schema", node=MLLMPackingSpec)
+
+
+register_configs()

@@ -1,0 +1,38 @@
+"""A synthetic encoder for kit tests: records state their own length and media, no model or image involved."""
+
+from __future__ import annotations
+
+import torch
+
+from mvp_engine.kit.mllm.data import IGNORE_INDEX, MLLMRecord, MLLMSample, SampleMeta
+
+PATCH_DIM = 4
+
+
+def fake_record(index: int, length: int, media: int = 0) -> MLLMRecord:
+    text = f"{length} {media}"
+    return MLLMRecord(record_id=f"r{index}", origin=f"fake.jsonl:{index + 1}",
+                      messages=[{"role": "user", "content": [{"type": "text", "text": text}]}])
+
+
+class FakeEncoder:
+    """Deterministic tokens; media items of 2x2 patches at the start; every other token supervised."""
+
+    def measure(self, record: MLLMRecord) -> SampleMeta:
+        length, media = map(int, record.messages[0]["content"][0]["text"].split())
+        return SampleMeta(length=length, num_media=media, media_end=min(length, 4 * media))
+
+    def encode(self, record: MLLMRecord) -> MLLMSample:
+        meta = self.measure(record)
+        seed = int(record.record_id[1:])
+        input_ids = (torch.arange(meta.length) * 7 + seed) % 1000 + 1
+        labels = input_ids.clone()
+        labels[::2] = IGNORE_INDEX
+        media = {}
+        if meta.num_media:
+            media = {
+                "pixel_values": torch.full((4 * meta.num_media, PATCH_DIM), float(seed)),
+                "image_grid_thw": torch.tensor([[1, 2, 2]] * meta.num_media),
+            }
+        return MLLMSample(input_ids=input_ids, labels=labels, sample_id=record.record_id, media=media,
+                          num_media=meta.num_media, media_tokens=meta.media_end, media_end=meta.media_end)

@@ -1,0 +1,122 @@
+"""The embedded demo data set: reproducible to the byte, readable, and mixed like real VLM SFT data."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from mvp_engine.kit.mllm.data.demo import MANIFEST_NAME, demo_kind_counts, write_demo_dataset
+from mvp_engine.kit.mllm.data.images import read_image_size
+from mvp_engine.kit.mllm.data.sources import read_records
+
+NUM = 150  # enough for every kind (overlong included) while keeping the tests fast
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory) -> Path:
+    return write_demo_dataset(tmp_path_factory.mktemp("demo"), num_samples=NUM, seed=0)
+
+
+def test_same_seed_gives_byte_identical_files_and_another_seed_does_not(demo: Path, tmp_path: Path) -> None:
+    again = write_demo_dataset(tmp_path / "again", num_samples=NUM, seed=0)
+    assert snapshot(again.parent) == snapshot(demo.parent)
+    other = write_demo_dataset(tmp_path / "other", num_samples=NUM, seed=1)
+    assert other.read_bytes() != demo.read_bytes()
+    assert not any(tmp.name.endswith(".tmp") for tmp in again.parent.rglob("*"))
+
+
+def test_repeated_call_is_a_no_op_and_changed_arguments_regenerate(tmp_path: Path) -> None:
+    path = write_demo_dataset(tmp_path, num_samples=20, seed=3)
+    stamps = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()}
+    assert write_demo_dataset(tmp_path, num_samples=20, seed=3) == path
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()} == stamps
+
+    write_demo_dataset(tmp_path, num_samples=10, seed=3)  # smaller: stale images of the larger one go away
+    manifest = json.loads((tmp_path / MANIFEST_NAME).read_text())
+    assert manifest["num_samples"] == 10
+    assert sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "images").iterdir()) == manifest["images"]
+    assert len(list(read_records(path))) == 10
+
+    (tmp_path / manifest["images"][0]).unlink()  # incomplete directory: regenerated, not trusted
+    write_demo_dataset(tmp_path, num_samples=10, seed=3)
+    assert (tmp_path / manifest["images"][0]).is_file()
+
+
+def test_records_parse_and_the_mix_has_every_kind(demo: Path) -> None:
+    records = list(read_records(demo))
+    assert len(records) == NUM
+    assert len({r.record_id for r in records}) == NUM
+    images = [len(r.image_paths) for r in records]
+    turns = [sum(m["role"] == "assistant" for m in r.messages) for r in records]
+    words = [
+        sum(len(p["text"].split()) for m in r.messages for p in m["content"] if p["type"] == "text") for r in records
+    ]
+    counts = demo_kind_counts(NUM)
+    assert images.count(0) == counts["text_only"]
+    assert sum(n > 1 for n in images) == counts["multi_image"]
+    assert any(t > 1 and n == 1 for t, n in zip(turns, images, strict=True))  # multi-turn with an image
+    # Overlong by text alone: more words than 2048 means more than 2048 tokens under any tokenizer.
+    assert sum(w > 2048 for w in words) == counts["overlong"] >= 1
+    # Long tail: most samples short.
+    assert sorted(words)[len(words) // 2] < 40
+    assert any(r.messages[0]["role"] == "system" for r in records)
+
+
+def test_kind_counts_for_the_default_size() -> None:
+    counts = demo_kind_counts(600)
+    assert sum(counts.values()) == 600
+    assert counts == {
+        "multi_turn": 120,
+        "describe": 42,
+        "text_only": 60,
+        "multi_image": 60,
+        "overlong": 6,
+        "single": 312,
+    }
+    assert sum(demo_kind_counts(3).values()) == 3
+
+
+def test_header_size_equals_decoded_size_and_sizes_vary(demo: Path) -> None:
+    sizes = set()
+    for record in read_records(demo):
+        for path in record.image_paths:
+            with Image.open(path) as image:
+                image.load()
+                assert read_image_size(path) == image.size
+                sizes.add(image.size)
+    widths, heights = {w for w, _ in sizes}, {h for _, h in sizes}
+    assert min(widths | heights) >= 56 and max(widths | heights) <= 448
+    assert any(w != h for w, h in sizes) and any(w == h for w, h in sizes)
+    assert len(sizes) > 50
+
+
+def test_cli_writes_the_dataset(tmp_path: Path) -> None:
+    repo = Path(__file__).resolve().parents[1]
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mvp_engine.kit.mllm.data.demo",
+            "--out",
+            str(tmp_path),
+            "--num-samples",
+            "12",
+            "--seed",
+            "5",
+        ],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert str(tmp_path / "demo.jsonl") in result.stdout
+    assert len(list(read_records(tmp_path / "demo.jsonl"))) == 12

@@ -1,0 +1,400 @@
+"""Record reading: both formats, every validation error (named by origin), path resolution, image access."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from PIL import Image, ImageFile
+
+from mvp_engine.kit.mllm.data.images import load_image, read_image_size
+from mvp_engine.kit.mllm.data.sample import MLLMRecord
+from mvp_engine.kit.mllm.data.sources import MLLMRecordError, parse_record, read_records
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path) -> Path:
+    for name, size in (("a.png", (40, 30)), ("b.png", (20, 50)), ("sub/c.png", (16, 16))):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", size, (200, 10, 10)).save(tmp_path / name)
+    return tmp_path
+
+
+def write_jsonl(directory: Path, lines: list, name: str = "data.jsonl") -> Path:
+    path = directory / name
+    path.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n", encoding="utf-8")
+    return path
+
+
+def llava(*turns, **top) -> dict:
+    return {**top, "conversations": [{"from": f, "value": v} for f, v in turns]}
+
+
+def text(t: str) -> dict:
+    return {"type": "text", "text": t}
+
+
+def image(path: Path) -> dict:
+    return {"type": "image", "path": str(path)}
+
+
+GOOD = llava(("human", "hi"), ("gpt", "hello"))
+
+
+def read_error(path: Path) -> str:
+    with pytest.raises(MLLMRecordError) as info:
+        list(read_records(path))
+    return str(info.value)
+
+
+# --- validation errors: each names its origin and says what is wrong -----------------------------------------
+
+ERROR_CASES = {
+    "invalid_json": ('{"conversations": [', "invalid JSON"),
+    "not_object": ([1, 2], "record is not a JSON object (got list)"),
+    "neither_format": ({"text": "hi"}, "neither LLaVA style ('conversations') nor OpenAI style ('messages')"),
+    "both_formats": ({"conversations": [], "messages": []}, "both 'conversations' (LLaVA) and 'messages'"),
+    "unknown_from": (llava(("human", "hi"), ("bot", "hello")), "conversations turn 2: unknown 'from' 'bot'"),
+    "unknown_role": (
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "x"}]},
+        "messages turn 2: unknown role 'tool'",
+    ),
+    "empty_llava": (llava(), "empty conversation"),
+    "empty_openai": ({"messages": []}, "empty conversation"),
+    "not_ending_with_assistant": (
+        llava(("human", "hi"), ("gpt", "hello"), ("human", "bye")),
+        "does not end with an assistant turn (last turn is user)",
+    ),
+    "no_assistant": (llava(("human", "hi")), "no assistant turn"),
+    "late_system": (llava(("human", "hi"), ("system", "be nice"), ("gpt", "x")), "only the first turn may be system"),
+    "too_many_tags": (
+        llava(("human", "<image><image> hi"), ("gpt", "x"), image="a.png"),
+        "2 <image> tag(s)/image slot(s) but 1 image(s)",
+    ),
+    "tag_without_image": (llava(("human", "<image> hi"), ("gpt", "x")), "1 <image> tag(s)/image slot(s) but 0 image"),
+    "missing_image": (llava(("human", "<image> hi"), ("gpt", "x"), image="nope.png"), "image file not found: "),
+    "non_string_value": (
+        llava(("human", 5), ("gpt", "x")),
+        "conversations turn 1: 'value' must be a string, got number",
+    ),
+    "non_string_text_part": (
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": None}]},
+                {"role": "assistant", "content": "x"},
+            ]
+        },
+        "messages turn 1, part 1: text part needs a string 'text', got null",
+    ),
+    "empty_turn": (llava(("human", "hi"), ("gpt", "")), "turn 2 (assistant) is empty"),
+    "remote_url": (
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x.org/a.png"}}]},
+                {"role": "assistant", "content": "x"},
+            ]
+        },
+        "is a URL; only local files are supported",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ERROR_CASES))
+def test_validation_error_names_origin_and_problem(data_dir: Path, case: str) -> None:
+    bad, expected = ERROR_CASES[case]
+    path = write_jsonl(data_dir, [GOOD, bad, GOOD])
+    message = read_error(path)
+    assert message.startswith(f"{path}:2: "), message
+    assert expected in message, message
+
+
+MALFORMED = [
+    {"conversations": "hi"},
+    {"conversations": [5]},
+    {"conversations": [{"value": "hi"}]},
+    {"conversations": [{"from": "human"}]},
+    {"conversations": [{"from": ["human"], "value": "hi"}]},
+    {"messages": {"role": "user"}},
+    {"messages": [{"content": "hi"}]},
+    {"messages": [{"role": "user"}]},
+    {"messages": [{"role": "user", "content": 3}]},
+    {"messages": [{"role": "user", "content": [3]}]},
+    {"messages": [{"role": "user", "content": [{"type": "video", "video": "v.mp4"}]}]},
+    {"messages": [{"role": "user", "content": [{"type": "image", "image": {"x": 1}}]}]},
+    {"messages": [{"role": "user", "content": [{"type": "image", "image_url": {"url": 3}}]}]},
+    {"messages": [{"role": "user", "content": [{"type": "image", "path": "a.png", "image": "b.png"}]}]},
+    llava(("human", "hi"), ("gpt", "x"), image=3),
+    llava(("human", "hi"), ("gpt", "x"), images="a.png"),
+    llava(("human", "hi"), ("gpt", "x"), images=[1]),
+    llava(("human", "hi"), ("gpt", "x"), image="a.png", images=["a.png"]),
+    llava(("human", "hi"), ("gpt", "x"), id=[1]),
+    llava(("human", "hi"), ("gpt", "x"), image=""),
+]
+
+
+@pytest.mark.parametrize("raw", MALFORMED, ids=range(len(MALFORMED)))
+def test_malformed_records_raise_record_error_not_bare_errors(data_dir: Path, raw: dict) -> None:
+    with pytest.raises(MLLMRecordError, match=r"^rec:7: "):
+        parse_record(raw, "rec:7", data_dir)
+
+
+_json_leaf = st.one_of(st.none(), st.booleans(), st.integers(), st.sampled_from(["a.png", "<image>", "human", "x"]))
+_keys = st.sampled_from(
+    [
+        "conversations",
+        "messages",
+        "from",
+        "value",
+        "role",
+        "content",
+        "type",
+        "text",
+        "image",
+        "images",
+        "path",
+        "image_url",
+        "url",
+        "id",
+    ]
+)
+_json = st.recursive(_json_leaf, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_keys, inner, max_size=4))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(raw=_json)
+def test_arbitrary_json_gives_a_record_or_a_record_error(data_dir: Path, raw) -> None:
+    try:
+        record = parse_record(raw, "rec:1", data_dir)
+    except MLLMRecordError as exc:
+        assert str(exc).startswith("rec:1: ")
+    else:
+        assert isinstance(record, MLLMRecord)
+
+
+# --- normalisation -----------------------------------------------------------------------------------------------
+
+
+def test_llava_and_openai_forms_parse_to_the_same_record(data_dir: Path) -> None:
+    a, b = data_dir / "a.png", data_dir / "b.png"
+    forms = [
+        llava(
+            ("system", "Be brief."),
+            ("human", "<image>\nCompare with <image>, please."),
+            ("gpt", "Same."),
+            ("human", "Sure?"),
+            ("gpt", "Yes."),
+            id="r1",
+            images=["a.png", "b.png"],
+        ),
+        {
+            "id": "r1",
+            "images": ["a.png", "b.png"],
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "<image>\nCompare with <image>, please."},
+                {"role": "assistant", "content": "Same."},
+                {"role": "user", "content": "Sure?"},
+                {"role": "assistant", "content": "Yes."},
+            ],
+        },
+        {
+            "id": "r1",
+            "messages": [
+                {"role": "system", "content": [text("Be brief.")]},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image", "image": "a.png"},
+                        text("\nCompare"),
+                        text(" with "),
+                        {"type": "image_url", "image_url": {"url": f"file://{b}"}},
+                        text(", please."),
+                    ],
+                },
+                {"role": "assistant", "content": [text("Same.")]},
+                {"role": "user", "content": "Sure?"},
+                {"role": "assistant", "content": [text("Yes.")]},
+            ],
+        },
+        {
+            "id": "r1",
+            "images": ["a.png", "b.png"],
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {
+                    "role": "user",
+                    "content": [{"type": "image"}, text("\nCompare with "), {"type": "image"}, text(", please.")],
+                },
+                {"role": "assistant", "content": "Same."},
+                {"role": "user", "content": "Sure?"},
+                {"role": "assistant", "content": "Yes."},
+            ],
+        },
+    ]
+    records = list(read_records(write_jsonl(data_dir, forms)))
+    expected = [
+        {"role": "system", "content": [text("Be brief.")]},
+        {"role": "user", "content": [image(a), text("\nCompare with "), image(b), text(", please.")]},
+        {"role": "assistant", "content": [text("Same.")]},
+        {"role": "user", "content": [text("Sure?")]},
+        {"role": "assistant", "content": [text("Yes.")]},
+    ]
+    for record in records:
+        assert record.record_id == "r1"
+        assert record.messages == expected
+        assert record.image_paths == [str(a), str(b)]
+
+
+def test_images_without_tags_go_to_the_start_of_the_first_user_turn(data_dir: Path) -> None:
+    raw = llava(
+        ("system", "sys"),
+        ("human", "What is it?"),
+        ("gpt", "A."),
+        ("human", "And?"),
+        ("gpt", "B."),
+        images=["a.png", "b.png"],
+    )
+    record = parse_record(raw, "rec:1", data_dir)
+    assert record.messages[0] == {"role": "system", "content": [text("sys")]}
+    assert record.messages[1]["content"] == [image(data_dir / "a.png"), image(data_dir / "b.png"), text("What is it?")]
+
+
+def test_tag_positions_and_text_are_kept_exactly(data_dir: Path) -> None:
+    raw = llava(("human", "A <image> B\n<image>"), ("gpt", " x "), images=["a.png", "b.png"])
+    record = parse_record(raw, "rec:1", data_dir)
+    a, b = data_dir / "a.png", data_dir / "b.png"
+    assert record.messages[0]["content"] == [text("A "), image(a), text(" B\n"), image(b)]
+    assert record.messages[1]["content"] == [text(" x ")]
+
+
+def test_record_id_defaults_to_origin_and_accepts_integers(data_dir: Path) -> None:
+    path = write_jsonl(data_dir, [GOOD, {**GOOD, "id": 42}])
+    first, second = read_records(path)
+    assert first.record_id == f"{path}:1" == first.origin
+    assert second.record_id == "42"
+
+
+def test_relative_image_paths_resolve_against_data_dir_or_image_root(data_dir: Path, tmp_path_factory) -> None:
+    nested = data_dir / "nested"
+    nested.mkdir()
+    raw = llava(("human", "<image>"), ("gpt", "x"), image="../sub/./c.png")
+    (record,) = read_records(write_jsonl(nested, [raw]))
+    assert record.image_paths == [str(data_dir / "sub" / "c.png")]
+    assert os.path.isabs(record.image_paths[0])
+
+    elsewhere = tmp_path_factory.mktemp("elsewhere")
+    raw = llava(("human", "<image>"), ("gpt", "x"), image="sub/c.png")
+    (record,) = read_records(write_jsonl(elsewhere, [raw]), image_root=data_dir)
+    assert record.image_paths == [str(data_dir / "sub" / "c.png")]
+
+    raw = llava(("human", "<image>"), ("gpt", "x"), image=str(data_dir / "a.png"))  # absolute: taken as is
+    (record,) = read_records(write_jsonl(elsewhere, [raw], "abs.jsonl"), image_root="/nonexistent")
+    assert record.image_paths == [str(data_dir / "a.png")]
+
+
+# --- files -------------------------------------------------------------------------------------------------------
+
+
+def test_jsonl_skips_blank_lines_and_keeps_real_line_numbers(data_dir: Path) -> None:
+    path = write_jsonl(data_dir, [GOOD, "", "   ", GOOD])
+    assert [r.origin for r in read_records(path)] == [f"{path}:1", f"{path}:4"]
+
+
+def test_json_list_origins_are_start_lines(data_dir: Path) -> None:
+    path = data_dir / "data.json"
+    path.write_text(json.dumps([GOOD, {**GOOD, "id": "two"}], indent=2), encoding="utf-8")
+    records = list(read_records(path))
+    assert [r.record_id for r in records] == [f"{path}:2", "two"]
+    starts = [i + 1 for i, line in enumerate(path.read_text().splitlines()) if line == "  {"]
+    assert [r.origin for r in records] == [f"{path}:{n}" for n in starts]
+
+
+def test_minified_json_origins_carry_the_record_index(data_dir: Path) -> None:
+    path = data_dir / "data.json"
+    path.write_text(json.dumps([GOOD, GOOD, llava(("human", "hi"))]), encoding="utf-8")
+    assert read_error(path).startswith(f"{path}:1#3: no assistant turn")
+
+
+def test_json_file_errors(data_dir: Path) -> None:
+    path = data_dir / "data.json"
+    path.write_text(json.dumps(GOOD), encoding="utf-8")
+    assert read_error(path) == f"{path}:1: a .json data file must hold a list of records, got object"
+    path.write_text('[\n{"conversations": []},\n{"conversations": [}\n]', encoding="utf-8")
+    assert read_error(path).startswith(f"{path}:3: invalid JSON")
+    path.write_text(f"[{json.dumps(GOOD)}]\n[]", encoding="utf-8")
+    assert read_error(path).startswith(f"{path}:2: invalid JSON: extra data")
+    path.write_text("[]", encoding="utf-8")
+    assert list(read_records(path)) == []
+
+
+def test_file_level_errors(data_dir: Path) -> None:
+    assert read_error(data_dir / "missing.jsonl") == f"{data_dir / 'missing.jsonl'}: data file not found"
+    (data_dir / "data.csv").write_text("x")
+    assert "unsupported file type '.csv'" in read_error(data_dir / "data.csv")
+    bad = data_dir / "bad.jsonl"
+    bad.write_bytes(json.dumps(GOOD).encode() + b"\n\xff\xfe\n")
+    assert read_error(bad).startswith(f"{bad}:2: line is not valid UTF-8")
+
+
+# --- images ------------------------------------------------------------------------------------------------------
+
+
+def test_read_image_size_reads_the_header_only(data_dir: Path, monkeypatch) -> None:
+    jpeg = data_dir / "photo.jpg"
+    exif = Image.Exif()
+    exif[0x0112] = 1
+    Image.new("RGB", (33, 21)).save(jpeg, exif=exif)
+
+    def no_decoding(self):
+        raise AssertionError("pixels decoded")
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", no_decoding)
+    assert read_image_size(data_dir / "a.png") == (40, 30)
+    assert read_image_size(jpeg) == (33, 21)
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_size_and_loaded_image_agree_under_exif_rotation(tmp_path: Path, orientation: int) -> None:
+    path = tmp_path / "rotated.jpg"
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    Image.new("RGB", (48, 16), (0, 0, 255)).save(path, exif=exif)
+    loaded = load_image(path)
+    assert read_image_size(path) == loaded.size
+    assert loaded.size == ((16, 48) if orientation >= 5 else (48, 16))
+
+
+def test_load_image_is_rgb_loaded_closed_and_composites_alpha(tmp_path: Path) -> None:
+    path = tmp_path / "alpha.png"
+    Image.new("RGBA", (8, 6), (0, 0, 0, 0)).save(path)
+    fds = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
+    loaded = load_image(path)
+    if fds is not None:
+        assert len(os.listdir("/proc/self/fd")) == fds
+    path.unlink()
+    assert loaded.mode == "RGB" and loaded.size == (8, 6)
+    assert loaded.getpixel((3, 3)) == (255, 255, 255)
+    gray = tmp_path / "gray.png"
+    Image.new("L", (5, 5), 7).save(gray)
+    assert load_image(gray).getpixel((0, 0)) == (7, 7, 7)
+
+
+def test_unreadable_images_raise_errors_naming_the_path(tmp_path: Path) -> None:
+    junk = tmp_path / "junk.png"
+    junk.write_bytes(b"not an image at all")
+    for reader in (read_image_size, load_image):
+        with pytest.raises(MLLMRecordError, match=f"^{re.escape(str(junk))}: cannot"):
+            reader(junk)
+        with pytest.raises(MLLMRecordError, match="missing.png: cannot"):
+            reader(tmp_path / "missing.png")
+    truncated = tmp_path / "truncated.png"
+    Image.effect_noise((64, 64), 50).convert("RGB").save(tmp_path / "full.png")
+    truncated.write_bytes((tmp_path / "full.png").read_bytes()[:200])
+    assert read_image_size(truncated) == (64, 64)  # the header is intact...
+    with pytest.raises(MLLMRecordError, match=f"^{re.escape(str(truncated))}: cannot load image"):
+        load_image(truncated)  # ...the pixels are not
