@@ -1,0 +1,1 @@
+"""Generic, model-free training engine shared by every recipe."""

@@ -1,0 +1,54 @@
+"""Loss reductions that stay exact under gradient accumulation and data parallelism.
+
+Every reduction is a weighted sum over supervised tokens divided by the sum of the weights over the whole
+optimizer step (all micro-batches, all ranks): ``token`` weighs each token 1, ``sample`` weighs a sample's
+tokens 1/n so each sample counts once, ``square`` (InternVL) weighs them 1/sqrt(n). Since no sample spans two
+micro-batches, weights are known per micro-batch and only the denominator needs the whole step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from mvp_engine.kit.mllm.data import IGNORE_INDEX
+
+REDUCTIONS = ("token", "sample", "square")
+
+
+@dataclass
+class WeightedTokenLoss:
+    """Numerator (weighted sum of token losses) and denominator (sum of weights) of one micro-batch."""
+
+    weighted_sum: torch.Tensor
+    weight_total: torch.Tensor
+
+
+def token_weights(labels: torch.Tensor, segment_ids: torch.Tensor, reduction: str) -> torch.Tensor:
+    """Per-target-token weights (shape ``[B, L-1]``, zero where unsupervised) for the shifted labels."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"train.loss_reduction={reduction!r} is invalid: allowed one of {list(REDUCTIONS)}")
+    targets = labels[:, 1:]
+    supervised = (targets != IGNORE_INDEX).to(torch.float64)
+    if reduction == "token":
+        return supervised
+    width = segment_ids.shape[1]
+    rows = torch.arange(segment_ids.shape[0], device=segment_ids.device).unsqueeze(1)
+    owner = (rows * (width + 1) + segment_ids[:, 1:] + 1).reshape(-1)  # one id per (row, segment)
+    counts = torch.zeros(int(owner.max()) + 1, dtype=torch.float64, device=labels.device)
+    counts.index_add_(0, owner, supervised.reshape(-1))
+    per_token_count = counts[owner].reshape(supervised.shape).clamp(min=1.0)
+    scale = per_token_count if reduction == "sample" else per_token_count.sqrt()
+    return supervised / scale
+
+
+def weighted_token_loss(logits: torch.Tensor, labels: torch.Tensor, segment_ids: torch.Tensor,
+                        reduction: str) -> WeightedTokenLoss:
+    """Cross-entropy of next-token prediction, summed with the reduction's weights."""
+    weights = token_weights(labels, segment_ids, reduction)
+    targets = labels[:, 1:].clamp(min=0)
+    per_token = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                reduction="none").reshape(targets.shape)
+    return WeightedTokenLoss((per_token * weights.to(per_token.dtype)).sum(), weights.sum())

@@ -1,0 +1,30 @@
+"""What a recipe hands the engine: the model-specific pieces, nothing else."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig
+
+from mvp_engine.kit.mllm.data import MLLMSampleEncoder
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A model family's hooks.
+
+    ``prepare_packed(batch, model, attn_implementation)`` turns a collated packed batch into model kwargs for
+    the backend (masks, positions, cu_seqlens, ``use_cache=False``); ``prepare_padded`` does the same for the
+    unpacked baseline. Both return kwargs without labels: the engine computes the loss from the logits.
+    """
+
+    name: str
+    build_processor: Callable[[DictConfig], Any]
+    build_model: Callable[[DictConfig, str], Any]
+    build_encoder: Callable[[Any], MLLMSampleEncoder]
+    pad_token_id: Callable[[Any], int]
+    prepare_packed: Callable[[dict, Any, str], dict]
+    prepare_padded: Callable[[dict, Any, str], dict]
+    attention_backends: tuple[str, ...] = ("eager", "sdpa", "flash_attention_2")
