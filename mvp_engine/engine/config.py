@@ -88,7 +88,7 @@ def check_attention(name: str, supported: tuple[str, ...]) -> None:
     if name not in ATTENTION_BACKENDS:
         raise ConfigError(f"attention.implementation={name!r} is unknown: allowed one of {list(ATTENTION_BACKENDS)}")
     if name not in supported:
-        raise ConfigError(f"attention.implementation={name!r} is not supported by this recipe: allowed {list(supported)}")
+        raise ConfigError(f"attention.implementation={name!r} is not supported here: allowed {list(supported)}")
     if name.startswith("flash_attention"):
         package = "flash_attn_interface" if name.endswith("3") else "flash_attn"
         if not torch.cuda.is_available() or importlib.util.find_spec(package) is None:

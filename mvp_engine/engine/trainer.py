@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-from contextlib import nullcontext
 import math
 import time
 from collections import Counter
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
