@@ -40,7 +40,7 @@ class TrainSpec:
     seed: int = 0
     log_every: int = 1
     mixed_precision: str = "no"
-    output_dir: str = "outputs/run"
+    output_dir: str | None = None  # None: outputs/run (Hydra runs fill in their run directory)
 
     def __post_init__(self) -> None:
         for name in ("epochs", "micro_batch_size", "gradient_accumulation_steps", "log_every"):

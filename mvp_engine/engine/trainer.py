@@ -47,7 +47,7 @@ class Trainer:
         train = self.specs.train
         self.accelerator = Accelerator(mixed_precision=train.mixed_precision)
         set_seed(train.seed)
-        self.output_dir = Path(train.output_dir)
+        self.output_dir = Path(train.output_dir or "outputs/run")
         self.processor = recipe.build_processor(cfg.model)
         self.encoder = recipe.build_encoder(self.processor)
         self.model = recipe.build_model(cfg.model, self.specs.attention)
