@@ -18,7 +18,8 @@ from tests.fakes import FakeEncoder, fake_record
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"max_seq_len": 0}, "packing.max_seq_len=0 is invalid: allowed an int >= 1"),
-    ({"strategy": "zigzag"}, "packing.strategy='zigzag' is invalid: allowed one of ['greedy', 'bfd'] (or set assembler_cls)"),
+    ({"strategy": "zigzag"},
+     "packing.strategy='zigzag' is invalid: allowed one of ['greedy', 'bfd'] (or set assembler_cls)"),
     ({"max_open_packs": 0}, "packing.max_open_packs=0 is invalid: allowed an int >= 1"),
     ({"buffer_size": -3}, "packing.buffer_size=-3 is invalid: allowed an int >= 1"),
     ({"max_media_per_pack": 0}, "packing.max_media_per_pack=0 is invalid: allowed null or an int >= 1"),
