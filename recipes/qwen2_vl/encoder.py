@@ -7,19 +7,19 @@ content and its closing ``<|im_end|>``; the template's role header and trailing 
 tokens are never supervised, even inside an assistant turn.
 
 ``encode`` and ``measure`` share one layout function and differ only in where the per-image token counts come
-from: the image processor's ``image_grid_thw`` (encode) or ``smart_resize`` on the header size (measure). Both use
-the image as stored (no EXIF rotation on either side), so the two counts agree by construction; a test checks it.
+from: the image processor's ``image_grid_thw`` (encode) or ``smart_resize`` on the header size (measure). Both go
+through the kit's image helpers (EXIF rotation applied on both sides), so the counts agree; a test checks it.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import torch
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
+from mvp_engine.kit.mllm.data.images import load_image, read_image_size
 from mvp_engine.kit.mllm.data.sample import IGNORE_INDEX, MLLMRecord, MLLMSample, SampleMeta
+from mvp_engine.kit.mllm.data.sources import MLLMRecordError
 
 from .model import IMAGE_TOKEN, VISION_END_TOKEN, VISION_START_TOKEN, Qwen2VLProcessorBundle
 
@@ -102,18 +102,17 @@ class Qwen2VLSampleEncoder:
 
     def _load_image(self, record: MLLMRecord, path: str) -> Image.Image:
         try:
-            with Image.open(path) as image:
-                return image.convert("RGB")
-        except Exception as err:  # noqa: BLE001 - missing, truncated or non-image files all mean a bad record
-            raise ValueError(f"{record.origin}: cannot read image {path!r}: {err}") from err
+            return load_image(path)
+        except MLLMRecordError as err:
+            raise ValueError(f"{record.origin}: {err}") from None
 
     def _header_token_count(self, record: MLLMRecord, path: str) -> int:
         """Merged token count from the file header alone (``Image.open`` reads the size without decoding)."""
-        if not Path(path).is_file():
-            raise ValueError(f"{record.origin}: cannot read image {path!r}: no such file")
         try:
-            with Image.open(path) as image:
-                width, height = image.size
+            width, height = read_image_size(path)
+        except MLLMRecordError as err:
+            raise ValueError(f"{record.origin}: {err}") from None
+        try:
             factor = self.patch_size * self.merge_size
             h, w = smart_resize(height, width, factor=factor, min_pixels=self.min_pixels, max_pixels=self.max_pixels)
         except Exception as err:  # noqa: BLE001

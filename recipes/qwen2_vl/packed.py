@@ -13,11 +13,13 @@ How Qwen2-VL consumes positions (``modeling_qwen2_vl.py``):
   packed handling at all. The rotary embedding uses rows 1..3 only.
 
 Attention choice for eager/sdpa: an explicit 4-D block-causal mask from ``pack_segment_ids`` (``create_causal_mask``
-returns a 4-D mask untouched). Transformers' own detection from the text row gives the same logits (proved in
-``tests/test_packed_equivalence.py``), but it infers boundaries from position steps and silently switches off
-when a cache or any 2-D mask is present; the explicit mask follows the segment ids (the DataKit's truth) and
-costs the same (transformers materialises the same (B, 1, L, L) mask when it detects packing).
-Flash attention gets ``cu_seq_lens_q/k`` + ``max_length_q/k`` and no ``attention_mask``.
+returns a 4-D mask untouched). Transformers' own detection from the text row gives the same logits (proved by
+``test_transformers_packed_detection_is_equivalent`` in ``tests/test_packed_equivalence.py``), but it infers
+boundaries from position steps and silently switches off when a cache or any 2-D mask is present; the explicit
+mask follows the segment ids (the DataKit's truth) and costs the same (transformers materialises the same
+(B, 1, L, L) mask when it detects packing).
+Flash attention gets ``cu_seq_lens_q/k`` + ``max_length_q/k`` and no ``attention_mask``. flex_attention is not
+offered: transformers 5.24 refuses it for Qwen2-VL at load time.
 """
 
 from __future__ import annotations
