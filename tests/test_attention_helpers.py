@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -19,12 +21,15 @@ from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_p
 from mvp_engine.packing import (
     attention_mask_for,
     block_causal_mask,
+    check_media_placement,
     check_packed_model_kwargs,
     ensure_mask_fits,
     ensure_no_batch_fields,
     ensure_no_cache,
     ensure_position_rows,
     flash_varlen_kwargs,
+    flex_block_mask,
+    is_block_mask,
     row_segments,
     segment_positions,
     validate_segment_ids,
@@ -58,6 +63,14 @@ def transformers_packed_mask(segment_ids: torch.Tensor) -> torch.Tensor:
 
 
 rows_strategy = st.lists(st.lists(st.integers(1, 5), min_size=0, max_size=4), min_size=1, max_size=3)
+
+
+@st.composite
+def segment_ids_strategy(draw) -> torch.Tensor:
+    """(B, L) segment ids of up to 3 rows of up to 4 segments, then 0..3 extra padding (never an empty batch)."""
+    rows = draw(rows_strategy)
+    length = max(sum(r) for r in rows) + draw(st.integers(0 if any(map(any, rows)) else 1, 3))
+    return segment_ids_from_lengths(rows, length)
 
 
 # ----------------------------------------------------------------------------------------------- positions, runs
@@ -105,12 +118,8 @@ def test_block_causal_mask_by_hand():
 
 
 @settings(max_examples=60, deadline=None)
-@given(rows_strategy, st.integers(0, 3))
-def test_block_causal_mask_matches_transformers_packed_mask(rows, extra):
-    length = max(sum(r) for r in rows) + extra
-    if length == 0:
-        return
-    segment_ids = segment_ids_from_lengths(rows, length)
+@given(segment_ids_strategy())
+def test_block_causal_mask_matches_transformers_packed_mask(segment_ids):
     mask = block_causal_mask(segment_ids)
     assert torch.equal(mask, transformers_packed_mask(segment_ids).expand_as(mask))
     assert mask.any(-1).all(), "a fully masked query row would give NaNs"
@@ -128,8 +137,9 @@ def test_additive_mask_for_eager():
     assert torch.all(additive[~allowed] == torch.finfo(torch.float32).min)
     assert torch.equal(attention_mask_for(EXAMPLE, "eager", torch.float32), additive)
     assert torch.equal(attention_mask_for(EXAMPLE, "sdpa", torch.float32), allowed)
-    with pytest.raises(ValueError, match="eager or sdpa"):
-        attention_mask_for(EXAMPLE, "flex_attention", torch.float32)
+    assert is_block_mask(attention_mask_for(EXAMPLE, "flex_attention", torch.float32))
+    with pytest.raises(ValueError, match="cu_seq_lens"):
+        attention_mask_for(EXAMPLE, "flash_attention_2", torch.float32)
 
 
 def test_masked_softmax_has_no_nans():
@@ -139,6 +149,53 @@ def test_masked_softmax_has_no_nans():
         torch.randn(3, 2, 6, 4), torch.randn(3, 2, 6, 4), torch.randn(3, 2, 6, 4), attn_mask=block_causal_mask(EXAMPLE)
     )
     assert torch.isfinite(out).all()
+
+
+# ---------------------------------------------------------------------------------------------- flex BlockMask
+
+
+def dense_block_mask(block_mask) -> torch.Tensor:
+    """The (B, 1, L, L) bool pattern a BlockMask's ``mask_mod`` stands for, token by token."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    batch, _, q_len, kv_len = block_mask.shape
+    return create_mask(block_mask.mask_mod, batch, 1, q_len, kv_len, device="cpu")
+
+
+@settings(max_examples=25, deadline=None)
+@given(segment_ids_strategy())
+def test_flex_block_mask_is_the_block_causal_pattern(segment_ids):
+    block_mask = flex_block_mask(segment_ids)
+    batch, length = segment_ids.shape
+    assert is_block_mask(block_mask) and tuple(block_mask.shape) == (batch, 1, length, length)
+    # the same pattern as the 4-D mask, so the same proofs hold: padding attends to nothing real (and nothing real
+    # to padding), no query row is fully masked (test_block_causal_mask_matches_transformers_packed_mask)
+    assert torch.equal(dense_block_mask(block_mask), block_causal_mask(segment_ids))
+
+
+def test_flex_attention_with_block_mask_equals_sdpa_with_4d_mask():
+    """Eager (uncompiled) flex_attention on CPU: the BlockMask confines attention exactly like the 4-D mask."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    q, k, v = (torch.randn(3, 2, 6, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "flex_attention called without torch.compile()": intended here
+        out = flex_attention(q, k, v, block_mask=flex_block_mask(EXAMPLE))
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=block_causal_mask(EXAMPLE))
+    assert (out - ref).abs().max().item() <= 1e-6
+
+
+def test_transformers_passes_a_block_mask_through_unchanged():
+    """Llama (and every ``create_causal_mask`` user) hands a ready 4-D BlockMask to flex_attention as is."""
+    from transformers import LlamaConfig
+    from transformers.masking_utils import create_causal_mask
+
+    config = LlamaConfig(hidden_size=8, num_attention_heads=2, num_hidden_layers=1, vocab_size=16)
+    config._attn_implementation = "flex_attention"
+    block_mask = flex_block_mask(EXAMPLE)
+    embeds = torch.zeros(3, 6, 8)
+    out = create_causal_mask(config, embeds, block_mask, None, position_ids=segment_positions(EXAMPLE))
+    assert out is block_mask
 
 
 # ------------------------------------------------------------------------------------------------ flash varlen
@@ -154,12 +211,8 @@ def test_flash_varlen_kwargs_by_hand():
 
 
 @settings(max_examples=60, deadline=None)
-@given(rows_strategy, st.integers(0, 3))
-def test_flash_varlen_kwargs_match_transformers(rows, extra):
-    length = max(sum(r) for r in rows) + extra
-    if length == 0:
-        return
-    segment_ids = segment_ids_from_lengths(rows, length)
+@given(segment_ids_strategy())
+def test_flash_varlen_kwargs_match_transformers(segment_ids):
     ours = flash_varlen_kwargs(segment_ids)
     (cu_q, _), (max_q, _) = prepare_fa_kwargs_from_position_ids(segment_positions(segment_ids).reshape(1, -1))
     assert torch.equal(ours["cu_seq_lens_q"], cu_q)
@@ -179,9 +232,20 @@ def _good_kwargs(attn="sdpa"):
     return kwargs
 
 
-@pytest.mark.parametrize("attn", ["eager", "sdpa", "flash_attention_2"])
+@pytest.mark.parametrize("attn", ["eager", "sdpa", "flex_attention", "flash_attention_2"])
 def test_good_kwargs_pass(attn):
     check_packed_model_kwargs(_good_kwargs(attn), attn, position_rows=4)
+
+
+def test_guard_flex_mask_form():
+    with pytest.raises(ValueError, match="BlockMask"):
+        ensure_mask_fits(block_causal_mask(EXAMPLE), "flex_attention")  # a bool tensor would be added to scores
+    with pytest.raises(ValueError, match="BlockMask"):
+        ensure_mask_fits(flex_block_mask(EXAMPLE), "sdpa")
+    kwargs = _good_kwargs("flex_attention")
+    del kwargs["attention_mask"]
+    with pytest.raises(ValueError, match="block-causal"):
+        check_packed_model_kwargs(kwargs, "flex_attention", position_rows=4)
 
 
 @pytest.mark.parametrize("bad", [{"use_cache": True}, {"use_cache": None}, {"past_key_values": object()},
@@ -225,6 +289,22 @@ def test_guard_batch_fields():
         ensure_no_batch_fields({"cu_seqlens": torch.tensor([0, 6])})
     with pytest.raises(ValueError, match="max_seqlen"):
         ensure_no_batch_fields({"max_seqlen": 6})
+    with pytest.raises(ValueError, match="sample_ids"):
+        ensure_no_batch_fields({"sample_ids": [["a"]]})
+
+
+def test_media_placement():
+    placeholder = torch.tensor([[0, 1, 1, 0, 0, 0], [1, 0, 0, 0, 0, 0]], dtype=torch.bool)
+    segments = torch.tensor([[0, 0, 0, 1, 1, -1], [0, 1, 1, -1, -1, -1]])
+    batch = {"pack_segment_ids": segments, "media_batch_index": torch.tensor([0, 1]),
+             "media_segment_ids": torch.tensor([0, 0])}
+    assert check_media_placement(batch, placeholder, [2, 1]) == [(0, 0), (1, 0)]
+    with pytest.raises(ValueError, match="row 0 segment 0: 2 image tokens but its 1 image"):
+        check_media_placement(batch, placeholder, [3, 1])
+    with pytest.raises(ValueError, match="row-major"):
+        check_media_placement({**batch, "media_batch_index": torch.tensor([1, 0])}, placeholder, [2, 1])
+    with pytest.raises(ValueError, match="media_batch_index"):
+        check_media_placement({"pack_segment_ids": segments}, placeholder, [2, 1])
 
 
 def test_guard_missing_attention_inputs():

@@ -8,8 +8,8 @@ general English), extended with the model family's special tokens and chat templ
 Running the script twice gives byte-identical files (tested): the corpus is enumerated in a fixed order, BPE
 training is deterministic for a fixed corpus, and JSON is written with sorted keys.
 
-One function per tokenizer (``build_qwen2_vl``; a LLaVA recipe adds ``build_llava`` to ``BUILDERS``), all on the
-shared ``corpus()`` and ``train_byte_level_bpe()``.
+One function per tokenizer in ``BUILDERS`` (``build_qwen2_vl``: byte-level BPE; ``build_llava``: Llama-style
+SentencePiece BPE with byte fallback), all on the shared ``corpus()`` and ``train_bpe()``.
 
     python tools/build_tokenizer_assets.py                 # all tokenizers into assets/tokenizers/<name>/
     python tools/build_tokenizer_assets.py --only qwen2_vl --out /tmp/tok
@@ -132,7 +132,21 @@ def train_byte_level_bpe(
     normalizer: normalizers.Normalizer | None = None,
 ) -> tuple[dict[str, int], list[tuple[str, str]]]:
     """Train a byte-level BPE on ``corpus()``; returns ``(vocab, merges)`` with special tokens at ids 0..k-1."""
-    tokenizer = Tokenizer(models.BPE())
+    return train_bpe(special_tokens, vocab_size, pre_tokenizer, normalizer,
+                     initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+
+
+def train_bpe(
+    special_tokens: list[str],
+    vocab_size: int,
+    pre_tokenizer: pre_tokenizers.PreTokenizer,
+    normalizer: normalizers.Normalizer | None = None,
+    initial_alphabet: list[str] | None = None,
+    model: models.Model | None = None,
+) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """Train a BPE ``model`` (default: plain ``models.BPE()``) on ``corpus()``; returns ``(vocab, merges)`` with
+    the special tokens at ids 0..k-1, in the order given."""
+    tokenizer = Tokenizer(model if model is not None else models.BPE())
     if normalizer is not None:
         tokenizer.normalizer = normalizer
     tokenizer.pre_tokenizer = pre_tokenizer
@@ -140,7 +154,7 @@ def train_byte_level_bpe(
         vocab_size=vocab_size,
         min_frequency=2,
         special_tokens=special_tokens,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        initial_alphabet=initial_alphabet or [],
         show_progress=False,
     )
     tokenizer.train_from_iterator(corpus(), trainer=trainer)
@@ -209,6 +223,43 @@ def build_qwen2_vl(out_dir: Path, vocab_size: int = 3000) -> None:
     _save(tokenizer, out_dir)
 
 
+# ------------------------------------------------------------------------------------------------------- LLaVA
+
+# Llama's special tokens (unk/bos/eos at 0/1/2, as in Llama-2), a pad token and LLaVA's image placeholder; then the
+# 256 byte-fallback tokens <0x00>..<0xFF> a SentencePiece-style Llama BPE falls back to for unseen characters.
+LLAVA_SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", "<image>"]
+LLAVA_BYTE_TOKENS = [f"<0x{i:02X}>" for i in range(256)]
+
+# LLaVA-1.5's conversation format ("USER: <image>\n... ASSISTANT: ...</s>"), one line per turn. Every image part
+# becomes "<image>\n"; the sample encoder expands each <image> to the model's number of image tokens. The space
+# after "ASSISTANT:" belongs to the answer's first token (Llama's "▁word" pieces), so it is supervised with it.
+LLAVA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['content'] is string %}{% set parts = [{'type': 'text', 'text': message['content']}] %}"
+    "{% else %}{% set parts = message['content'] %}{% endif %}"
+    "{% if message['role'] == 'user' %}USER: {% elif message['role'] == 'assistant' %}ASSISTANT: {% endif %}"
+    "{% for part in parts %}{% if part['type'] == 'image' or 'image' in part %}<image>{{ '\n' }}"
+    "{% elif 'text' in part %}{{ part['text'] }}{% endif %}{% endfor %}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+
+
+def build_llava(out_dir: Path, vocab_size: int = 3000) -> None:
+    """Llama (SentencePiece-style) BPE: Metaspace pre-tokenizer, byte fallback, no normalizer, as
+    ``LlamaTokenizer`` builds it; Llama special tokens, ``<pad>``, ``<image>`` and a LLaVA-1.5 chat template."""
+    from transformers import AddedToken, LlamaTokenizer
+
+    pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True)
+    model = models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True)
+    vocab, merges = train_bpe(LLAVA_SPECIAL_TOKENS + LLAVA_BYTE_TOKENS, vocab_size, pre_tokenizer, model=model)
+    tokenizer = LlamaTokenizer(vocab=vocab, merges=merges, pad_token="<pad>", add_prefix_space=True,
+                               model_max_length=4096)
+    tokenizer.add_special_tokens({"additional_special_tokens": [AddedToken("<image>", special=True, normalized=False)]})
+    tokenizer.chat_template = LLAVA_CHAT_TEMPLATE
+    _save(tokenizer, out_dir)
+
+
 def _save(tokenizer, out_dir: Path) -> None:
     """``save_pretrained`` into a scratch folder, canonicalise, then replace ``out_dir`` file by file."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -222,7 +273,7 @@ def _save(tokenizer, out_dir: Path) -> None:
             (out_dir / path.name).write_bytes(path.read_bytes())
 
 
-BUILDERS: dict[str, Callable[[Path], None]] = {"qwen2_vl": build_qwen2_vl}
+BUILDERS: dict[str, Callable[[Path], None]] = {"qwen2_vl": build_qwen2_vl, "llava": build_llava}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -10,11 +10,13 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from mvp_engine.kit.mllm.data import MLLMDataSpec, MLLMPackingSpec
+from mvp_engine.kit.mllm.data import MLLMDataSpec, MLLMPackingAssembler, MLLMPackingSpec
 
 from .loss import REDUCTIONS
 
 ATTENTION_BACKENDS = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
+# The Hydra config root: conf/<recipe>.yaml is each recipe's primary config.
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 
 class ConfigError(ValueError):
@@ -83,12 +85,16 @@ def register_configs() -> None:
     cs.store(group="demo", name="demo_schema", node=DemoSpec)
 
 
-def check_attention(name: str, supported: tuple[str, ...]) -> None:
-    """A backend this recipe and this machine can run, or one line saying why not."""
+def check_attention(name: str, supported: tuple[str, ...], training: bool = True) -> None:
+    """A backend this recipe and this machine can run (train with, unless ``training=False``: forward only), or one
+    line saying why not."""
     if name not in ATTENTION_BACKENDS:
         raise ConfigError(f"attention.implementation={name!r} is unknown: allowed one of {list(ATTENTION_BACKENDS)}")
     if name not in supported:
         raise ConfigError(f"attention.implementation={name!r} is not supported here: allowed {list(supported)}")
+    if name == "flex_attention" and training and not torch.cuda.is_available():
+        raise ConfigError(f"attention.implementation={name!r} needs a CUDA GPU to train: torch's FlexAttention has no "
+                          "CPU backward (forward-only checks run on CPU)")
     if name.startswith("flash_attention"):
         package = "flash_attn_interface" if name.endswith("3") else "flash_attn"
         if not torch.cuda.is_available() or importlib.util.find_spec(package) is None:
@@ -114,6 +120,10 @@ def resolve_run_specs(cfg: DictConfig, supported_attention: tuple[str, ...]) -> 
     packing = None if packing_node is None else _to_object(packing_node, MLLMPackingSpec, "packing")
     data = _to_object(cfg.data, MLLMDataSpec, "data")
     data.packing = packing
+    try:
+        MLLMPackingAssembler.from_spec(data.effective_packing())  # a bad assembler_cls fails here, not mid-run
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     demo = _to_object(cfg.demo, DemoSpec, "demo")
     if not data.sources and not demo.enabled:
         raise ConfigError("data.sources is empty and demo.enabled=false: nothing to train on")

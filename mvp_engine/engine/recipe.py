@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from operator import attrgetter
+from types import ModuleType
 from typing import Any
 
 from omegaconf import DictConfig
@@ -28,3 +30,20 @@ class Recipe:
     prepare_packed: Callable[[dict, Any, str], dict]
     prepare_padded: Callable[[dict, Any, str], dict]
     attention_backends: tuple[str, ...] = ("eager", "sdpa", "flash_attention_2")
+
+    @classmethod
+    def from_modules(cls, name: str, *, model: ModuleType, packed: ModuleType,
+                     encoder: Callable[[Any], MLLMSampleEncoder]) -> Recipe:
+        """The recipe of a ``recipes/<name>`` laid out the usual way: ``model.build_processor`` /
+        ``model.build_model``, ``packed.prepare_packed`` / ``packed.prepare_padded`` /
+        ``packed.ATTENTION_BACKENDS``, the processor's ``pad_token_id``, and the encoder class."""
+        return cls(
+            name=name,
+            build_processor=model.build_processor,
+            build_model=model.build_model,
+            build_encoder=encoder,
+            pad_token_id=attrgetter("pad_token_id"),
+            prepare_packed=packed.prepare_packed,
+            prepare_padded=packed.prepare_padded,
+            attention_backends=tuple(packed.ATTENTION_BACKENDS),
+        )

@@ -9,6 +9,7 @@ from collections import Counter
 from contextlib import nullcontext
 from pathlib import Path
 
+import hydra
 import torch
 from accelerate import Accelerator
 from accelerate.utils import send_to_device, set_seed
@@ -20,7 +21,7 @@ from transformers import get_scheduler
 from mvp_engine.kit.mllm.data import MLLMCollator, MLLMDataKit, TokenAccounting
 from mvp_engine.kit.mllm.data.demo import write_demo_dataset
 
-from .config import ConfigError, RunSpecs, resolve_run_specs
+from .config import CONF_DIR, ConfigError, RunSpecs, resolve_run_specs
 from .loss import token_weights, weighted_token_loss
 from .recipe import Recipe
 
@@ -76,6 +77,8 @@ class Trainer:
     def _loader(self, epoch: int) -> DataLoader:
         self.dataset.set_epoch(epoch)
         train = self.specs.train
+        if hasattr(self.dataset, "worker_batch_size"):
+            self.dataset.worker_batch_size = train.micro_batch_size
         return DataLoader(self.dataset, batch_size=train.micro_batch_size, collate_fn=self.collator,
                           drop_last=train.drop_last, num_workers=train.num_workers)
 
@@ -190,3 +193,13 @@ def run_recipe(cfg: DictConfig, recipe: Recipe) -> dict:
     except ConfigError as err:
         raise SystemExit(f"config error: {err}") from None
     return trainer.run()
+
+
+def hydra_main(recipe: Recipe):
+    """The ``main()`` of ``recipes/<name>/train.py``: Hydra over ``conf/<name>.yaml``, then :func:`run_recipe`."""
+
+    @hydra.main(config_path=str(CONF_DIR), config_name=recipe.name, version_base="1.3")
+    def main(cfg: DictConfig) -> None:
+        run_recipe(cfg, recipe)
+
+    return main

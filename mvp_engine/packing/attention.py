@@ -18,9 +18,14 @@ Facts about transformers 5.24 these helpers are built on (read from ``masking_ut
 - Packed detection from positions (``find_packed_sequence_indices``: a new sequence wherever the position step is
   not +1) runs only when ``attention_mask is None and cache is None``; ``use_cache`` left at None means True from
   the config, so a ``DynamicCache`` is created and packing is silently ignored.
-- Multimodal ``get_*_features`` drop unprefixed ``cu_seq_lens_q/k``/``max_length_q/k`` (``_FLASH_VARLEN_KWARGS``)
-  but pass ``cu_seqlens``/``max_seqlen`` on to the vision encoder, which pops and uses them as its *own* patch
-  boundaries: the batch fields with those names must never be forwarded to a model.
+- Multimodal ``get_*_features`` decorated with ``accepts_precomputed_kwargs`` (Qwen2-VL) drop unprefixed
+  ``cu_seq_lens_q/k``/``max_length_q/k`` but pass ``cu_seqlens``/``max_seqlen`` on to the vision encoder, which pops
+  and uses them as its *own* patch boundaries: the batch fields with those names must never be forwarded to a model.
+  Undecorated ones (LLaVA) hand *every* extra kwarg, the flash varlen ones included, to the vision tower.
+- flex_attention: ``create_causal_mask`` returns a ``BlockMask`` (4-D ``.shape``) unchanged, like a 4-D tensor, and
+  ``flex_attention_forward`` uses it as the ``block_mask``; a *tensor* mask there is added to the scores
+  (``score_mod``), so a bool one would be silently added as 0/1: a guard refuses it. torch's FlexAttention has no
+  CPU backward (forward only on CPU).
 """
 
 from __future__ import annotations
@@ -31,8 +36,11 @@ from typing import Any
 import torch
 
 FLASH_PREFIX = "flash_attention"
-# Batch fields whose names a transformers model would consume with a different meaning.
-FORBIDDEN_MODEL_KWARGS = ("cu_seqlens", "max_seqlen")
+FLEX = "flex_attention"
+# Batch fields whose names a transformers model would consume with a different meaning (first two), or that only
+# the engine reads (bookkeeping, labels: the engine computes the loss from the logits).
+FORBIDDEN_MODEL_KWARGS = ("cu_seqlens", "max_seqlen", "sample_ids", "media_tokens", "source_sample_num",
+                          "pack_segment_ids", "media_segment_ids", "media_batch_index", "labels")
 
 
 def validate_segment_ids(segment_ids: torch.Tensor) -> None:
@@ -95,13 +103,40 @@ def block_causal_mask(segment_ids: torch.Tensor, dtype: torch.dtype | None = Non
     return torch.where(allowed, zero, torch.finfo(dtype).min)
 
 
-def attention_mask_for(segment_ids: torch.Tensor, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:
-    """The explicit 4-D mask in the form ``attn_implementation`` consumes (eager: additive float; sdpa: bool)."""
+def flex_block_mask(segment_ids: torch.Tensor):
+    """A flex-attention ``BlockMask`` (B, 1, L, L) with exactly :func:`block_causal_mask`'s pattern: query q sees key
+    k iff k <= q and both are in the same run (the padding run sees only itself, so no row is fully masked)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    validate_segment_ids(segment_ids)
+    runs = segment_run_ids(segment_ids)
+    batch, length = segment_ids.shape
+
+    def same_run_causal(b, h, q_idx, kv_idx):
+        return (runs[b, q_idx] == runs[b, kv_idx]) & (kv_idx <= q_idx)
+
+    return create_block_mask(same_run_causal, batch, None, length, length, device=segment_ids.device)
+
+
+def is_block_mask(mask: Any) -> bool:
+    try:
+        from torch.nn.attention.flex_attention import BlockMask
+    except ImportError:  # pragma: no cover - torch without flex attention
+        return False
+    return isinstance(mask, BlockMask)
+
+
+def attention_mask_for(segment_ids: torch.Tensor, attn_implementation: str, dtype: torch.dtype):
+    """The explicit block-causal mask in the form ``attn_implementation`` consumes: eager an additive float 4-D
+    tensor, sdpa a bool 4-D tensor, flex_attention a ``BlockMask``."""
     if attn_implementation == "eager":
         return block_causal_mask(segment_ids, dtype=dtype)
     if attn_implementation == "sdpa":
         return block_causal_mask(segment_ids)
-    raise ValueError(f"no explicit 4-D mask for attn_implementation={attn_implementation!r} (eager or sdpa only)")
+    if attn_implementation == FLEX:
+        return flex_block_mask(segment_ids)
+    raise ValueError(f"no explicit mask for attn_implementation={attn_implementation!r} (eager, sdpa or "
+                     f"{FLEX} only; flash packs through cu_seq_lens)")
 
 
 def flash_varlen_kwargs(segment_ids: torch.Tensor) -> dict[str, Any]:
@@ -161,10 +196,18 @@ def ensure_position_rows(position_ids: torch.Tensor | None, rows: int | None) ->
         )
 
 
-def ensure_mask_fits(attention_mask: torch.Tensor | None, attn_implementation: str) -> None:
+def ensure_mask_fits(attention_mask, attn_implementation: str) -> None:
     """Packing forbids a 2-D ``attention_mask`` (an all-ones one disables packed detection; any one makes flash
-    ignore ``cu_seq_lens``); eager needs its 4-D mask additive, not bool."""
+    ignore ``cu_seq_lens``); eager needs its 4-D mask additive, not bool; flex_attention needs a ``BlockMask`` and
+    nothing else takes one."""
     if attention_mask is None:
+        return
+    if is_block_mask(attention_mask) != (attn_implementation == FLEX):
+        raise ValueError(
+            f"{FLEX} packs through a BlockMask (a tensor mask would be added to its scores) and only it can read one: "
+            f"got {type(attention_mask).__name__} for attn_implementation={attn_implementation!r}"
+        )
+    if is_block_mask(attention_mask):
         return
     if attention_mask.dim() == 2:
         raise ValueError(
@@ -180,12 +223,13 @@ def ensure_mask_fits(attention_mask: torch.Tensor | None, attn_implementation: s
 
 
 def ensure_no_batch_fields(kwargs: Mapping[str, Any]) -> None:
-    """The batch's ``cu_seqlens``/``max_seqlen`` would be taken by a vision encoder as its own patch boundaries."""
+    """The batch's ``cu_seqlens``/``max_seqlen`` would be taken by a vision encoder as its own patch boundaries; the
+    other batch-only fields (bookkeeping, owners of media, labels) are the engine's, never a model's."""
     leaked = [key for key in FORBIDDEN_MODEL_KWARGS if key in kwargs]
     if leaked:
         raise ValueError(
-            f"model kwargs must not contain {leaked}: multimodal encoders consume these names as their own "
-            "cu_seqlens/max_seqlen; flash attention takes cu_seq_lens_q/k and max_length_q/k"
+            f"model kwargs must not contain the batch-only fields {leaked}: multimodal encoders consume "
+            "cu_seqlens/max_seqlen as their own; flash attention takes cu_seq_lens_q/k and max_length_q/k"
         )
 
 
@@ -197,7 +241,7 @@ def check_packed_model_kwargs(
 ) -> None:
     """All guards against silent cross-sample contamination, on the kwargs about to go to the model.
 
-    ``explicit_mask``: eager/sdpa forwards must carry the 4-D block-causal mask (set False only for a recipe that
+    ``explicit_mask``: eager/sdpa/flex forwards must carry the block-causal mask (set False only for a recipe that
     proved transformers' own position-based packed detection equivalent by test).
     """
     ensure_no_cache(kwargs)
@@ -209,4 +253,5 @@ def check_packed_model_kwargs(
         if missing:
             raise ValueError(f"packed flash-attention forward is missing {missing}")
     elif explicit_mask and kwargs.get("attention_mask") is None:
-        raise ValueError(f"packed {attn_implementation} forward needs an explicit 4-D block-causal attention_mask")
+        raise ValueError(f"packed {attn_implementation} forward needs an explicit 4-D block-causal attention_mask "
+                         f"(a BlockMask for {FLEX})")

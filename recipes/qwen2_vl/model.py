@@ -1,13 +1,12 @@
 """Model and processor builders for the Qwen2-VL recipe.
 
-No hub is reachable, so the default is a tiny, seeded, randomly initialised ``Qwen2VLForConditionalGeneration``
-whose config comes from YAML (``conf/model/qwen2_vl_tiny.yaml``) and whose vocabulary and special-token ids come
-from the committed tokenizer asset (``assets/tokenizers/qwen2_vl``, built by ``tools/build_tokenizer_assets.py``).
-``pretrained=<dir>`` instead loads a ``save_pretrained`` folder (model, tokenizer, image processor).
+The default is a tiny, seeded, randomly initialised ``Qwen2VLForConditionalGeneration`` whose config comes from
+YAML (``conf/model/qwen2_vl_tiny.yaml``) and whose vocabulary and special-token ids come from the committed
+tokenizer asset (``assets/tokenizers/qwen2_vl``); ``pretrained=<dir>`` loads a ``save_pretrained`` folder. The
+generic parts (pretrained vs tiny init, the tokenizer + image processor bundle) are ``mvp_engine.engine.builders``.
 
 Images go through ``Qwen2VLImageProcessorPil``: transformers' torchvision-free backend. ``Qwen2VLProcessor`` is
-not used because it insists on a video processor, which needs torchvision; ``Qwen2VLProcessorBundle`` holds
-the two pieces instead.
+not used because it insists on a video processor, which needs torchvision.
 """
 
 from __future__ import annotations
@@ -15,11 +14,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+from transformers import PreTrainedTokenizerBase, Qwen2VLConfig, Qwen2VLForConditionalGeneration
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from mvp_engine.engine.builders import ProcessorBundle, build_hf_model, build_processor_bundle, to_plain
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TOKENIZER_DIR = REPO_ROOT / "assets" / "tokenizers" / "qwen2_vl"
@@ -37,48 +36,11 @@ IM_END_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
 
 
-def to_plain(cfg: Any) -> Any:
-    """A Hydra ``DictConfig`` / nested mapping as plain dicts and lists (None stays None)."""
-    if cfg is None:
-        return None
-    try:
-        from omegaconf import DictConfig, ListConfig, OmegaConf
-
-        if isinstance(cfg, (DictConfig, ListConfig)):
-            return OmegaConf.to_container(cfg, resolve=True)
-    except ImportError:  # pragma: no cover - hydra is a dependency, but the builders do not need it
-        pass
-    if isinstance(cfg, Mapping):
-        return {k: to_plain(v) for k, v in cfg.items()}
-    if isinstance(cfg, (list, tuple)):
-        return [to_plain(v) for v in cfg]
-    return cfg
-
-
 @dataclass
-class Qwen2VLProcessorBundle:
-    """Tokenizer + PIL image processor, with the special-token ids the encoder and model config need."""
+class Qwen2VLProcessorBundle(ProcessorBundle):
+    """Tokenizer + ``Qwen2VLImageProcessorPil``; the image placeholder is ``<|image_pad|>``."""
 
-    tokenizer: PreTrainedTokenizerBase
-    image_processor: Qwen2VLImageProcessorPil
-
-    def token_id(self, token: str) -> int:
-        token_id = self.tokenizer.convert_tokens_to_ids(token)
-        if token_id is None or token_id == self.tokenizer.unk_token_id and token != self.tokenizer.unk_token:
-            raise ValueError(f"tokenizer has no {token!r} token; rebuild it with tools/build_tokenizer_assets.py")
-        return int(token_id)
-
-    @property
-    def image_token_id(self) -> int:
-        return self.token_id(IMAGE_TOKEN)
-
-    @property
-    def pad_token_id(self) -> int:
-        return int(self.tokenizer.pad_token_id)
-
-    def save_pretrained(self, directory: str | Path) -> None:
-        self.tokenizer.save_pretrained(directory)
-        self.image_processor.save_pretrained(directory)
+    image_token: str = IMAGE_TOKEN
 
 
 def build_processor(model_cfg: Mapping | None = None) -> Qwen2VLProcessorBundle:
@@ -89,18 +51,11 @@ def build_processor(model_cfg: Mapping | None = None) -> Qwen2VLProcessorBundle:
     preprocessor config wins).
     """
     cfg = to_plain(model_cfg) or {}
-    pretrained = cfg.get("pretrained")
-    if pretrained:
-        return Qwen2VLProcessorBundle(
-            tokenizer=AutoTokenizer.from_pretrained(pretrained),
-            image_processor=Qwen2VLImageProcessorPil.from_pretrained(pretrained),
-        )
-    tokenizer_dir = cfg.get("tokenizer_dir") or DEFAULT_TOKENIZER_DIR
-    image_processor = Qwen2VLImageProcessorPil(
+    return build_processor_bundle(
+        Qwen2VLProcessorBundle, cfg, Qwen2VLImageProcessorPil, DEFAULT_TOKENIZER_DIR,
         min_pixels=int(cfg.get("image_min_pixels") or DEFAULT_MIN_PIXELS),
         max_pixels=int(cfg.get("image_max_pixels") or DEFAULT_MAX_PIXELS),
     )
-    return Qwen2VLProcessorBundle(AutoTokenizer.from_pretrained(str(tokenizer_dir)), image_processor)
 
 
 def tiny_config(model_cfg: Mapping, tokenizer: PreTrainedTokenizerBase) -> Qwen2VLConfig:
@@ -138,18 +93,5 @@ def build_model(model_cfg: Mapping | None, attn_implementation: str = "sdpa") ->
     Keys read: ``pretrained``, ``tokenizer_dir``, ``config`` (``text_config``, ``vision_config``, top-level
     Qwen2VLConfig fields), ``seed`` (default 0), ``dtype`` (default float32).
     """
-    cfg = to_plain(model_cfg) or {}
-    dtype = getattr(torch, str(cfg.get("dtype") or "float32"))
-    if cfg.get("pretrained"):
-        return Qwen2VLForConditionalGeneration.from_pretrained(
-            cfg["pretrained"], attn_implementation=attn_implementation, dtype=dtype
-        )
-    tokenizer = AutoTokenizer.from_pretrained(str(cfg.get("tokenizer_dir") or DEFAULT_TOKENIZER_DIR))
-    config = tiny_config(cfg, tokenizer)
-    # fork_rng: the seeded init must not move the caller's global RNG stream
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(int(cfg.get("seed") or 0))
-        model = Qwen2VLForConditionalGeneration._from_config(
-            config, attn_implementation=attn_implementation, dtype=dtype
-        )
-    return model
+    return build_hf_model(Qwen2VLForConditionalGeneration, model_cfg, attn_implementation, tiny_config,
+                          DEFAULT_TOKENIZER_DIR)

@@ -1,4 +1,4 @@
-"""Shared fixtures for the Qwen2-VL recipe tests: tiny model config, processor, encoder, images, batches."""
+"""Shared fixtures for the Qwen2-VL recipe tests: tiny model config, processor, encoder, records, batches."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from PIL import Image
 
+from mvp_engine.engine.testing import demo_like_records
 from mvp_engine.kit.mllm.data.sample import IGNORE_INDEX, MLLMRecord, MLLMSample
 from recipes.qwen2_vl.encoder import Qwen2VLSampleEncoder
 from recipes.qwen2_vl.model import build_processor
@@ -33,51 +33,10 @@ def encoder(processor) -> Qwen2VLSampleEncoder:
     return Qwen2VLSampleEncoder(processor)
 
 
-def write_image(path: Path, height: int, width: int, seed: int) -> str:
-    rng = np.random.RandomState(seed)
-    Image.fromarray(rng.randint(0, 256, (height, width, 3), dtype=np.uint8)).save(path)
-    return str(path)
-
-
 @pytest.fixture(scope="session")
-def images(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("images")
-    sizes = {"wide": (60, 90), "square": (40, 40), "tall": (120, 50), "small": (20, 30)}
-    return {name: write_image(root / f"{name}.png", h, w, i) for i, (name, (h, w)) in enumerate(sizes.items())}
-
-
-def text(t: str) -> dict:
-    return {"type": "text", "text": t}
-
-
-def image(path: str) -> dict:
-    return {"type": "image", "path": path}
-
-
-def user(*parts) -> dict:
-    return {"role": "user", "content": list(parts)}
-
-
-def assistant(t: str) -> dict:
-    return {"role": "assistant", "content": [text(t)]}
-
-
-@pytest.fixture(scope="session")
-def records(images) -> list[MLLMRecord]:
-    """Image samples, text-only samples and a multi-image, multi-turn sample."""
-    return [
-        MLLMRecord("img0", "fixture.jsonl:1", [user(image(images["wide"]), text("What colour is it?")),
-                                               assistant("It is red.")]),
-        MLLMRecord("txt0", "fixture.jsonl:2", [user(text("Count to three.")), assistant("one two three")]),
-        MLLMRecord("multi", "fixture.jsonl:3", [user(image(images["square"]), text("And this?")),
-                                                assistant("A square."),
-                                                user(image(images["tall"]), image(images["small"]), text("Now?")),
-                                                assistant("A tall box and a small dot.")]),
-        MLLMRecord("txt1", "fixture.jsonl:4", [{"role": "system", "content": [text("Be brief.")]},
-                                               user(text("Why is the sky blue?")), assistant("Because of light.")]),
-        MLLMRecord("img1", "fixture.jsonl:5", [user(text("Describe:"), image(images["small"])),
-                                               assistant("A small picture.")]),
-    ]
+def records(tmp_path_factory) -> list[MLLMRecord]:
+    """The kit's demo-like records: image samples, text-only samples and a multi-image, multi-turn sample."""
+    return demo_like_records(tmp_path_factory.mktemp("images"))
 
 
 @pytest.fixture(scope="session")
@@ -131,15 +90,3 @@ def hand_collate(rows: list[list[MLLMSample]], pad_token_id: int, extra_pad: int
             media_batch_index=torch.tensor(media_rows, dtype=torch.long),
         )
     return batch
-
-
-def kit_collate(rows: list[list[MLLMSample]], pad_token_id: int, extra_pad: int = 3) -> dict | None:
-    """The same batch through the DataKit's own pack + collator (padded like ``hand_collate``: longest row plus
-    ``extra_pad``, so every row ends in padding), or None while those are not there yet."""
-    try:
-        from mvp_engine.kit.mllm.data import MLLMCollator, MLLMPack
-    except ImportError:
-        return None
-    width = max(sum(s.length for s in row) for row in rows) + extra_pad
-    collator = MLLMCollator(pad_token_id=pad_token_id, pad_to_multiple_of=width)
-    return collator([MLLMPack(row).to_model_inputs() for row in rows])

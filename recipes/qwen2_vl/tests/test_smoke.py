@@ -1,17 +1,15 @@
-"""A few real training steps per packing mode on the demo data, plus a checkpoint round trip."""
+"""A few real training steps per packing mode on the demo data (the kit's ``SmokeSuite``), plus a checkpoint
+round trip after training."""
 
-import pytest
 import torch
 
-from mvp_engine.engine.testing import check_smoke_summary, smoke_run
+from mvp_engine.engine.testing import smoke_run
+from mvp_engine.engine.testkit.suites import SmokeSuite
 from recipes.qwen2_vl.model import build_model, build_processor
 
 
-@pytest.mark.parametrize("packing", [None, "greedy", "bfd"])
-def test_smoke_training(packing, tmp_path):
-    summary = smoke_run("qwen2_vl", packing, tmp_path / "run")
-    check_smoke_summary(summary)
-    assert summary["packing"] == packing
+class TestSmoke(SmokeSuite):
+    recipe = "qwen2_vl"
 
 
 def test_checkpoint_round_trip(tmp_path):

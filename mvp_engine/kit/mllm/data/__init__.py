@@ -9,6 +9,7 @@ from .assembler import (
     PackPlan,
     SingleSampleAssembler,
 )
+from .chat import ChatTemplateEncoder
 from .collator import MLLMCollator
 from .dataset import EpochPlan, MLLMDataKit, MLLMPackedDataset, MLLMStreamingPackedDataset
 from .images import load_image, read_image_size
@@ -22,6 +23,7 @@ from .steps import estimate_total_steps, micro_batches_per_rank, optimizer_steps
 __all__ = [
     "IGNORE_INDEX",
     "BestFitDecreasingAssembler",
+    "ChatTemplateEncoder",
     "EpochPlan",
     "GreedyAssembler",
     "MLLMCollator",

@@ -132,6 +132,7 @@ class MLLMStreamingPackedDataset(_PackedDatasetBase, IterableDataset):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.packs_consumed = 0
+        self.worker_batch_size = 1  # set to the DataLoader's batch size so workers hand out whole micro-batches
 
     def __len__(self) -> int:
         return len(self.rank_packs())
@@ -142,7 +143,9 @@ class MLLMStreamingPackedDataset(_PackedDatasetBase, IterableDataset):
         workers, worker_id = (worker.num_workers, worker.id) if worker else (1, 0)
         start = self.packs_consumed
         for k in range(start, len(packs)):
-            if k % workers == worker_id:
+            # whole micro-batches per worker: the DataLoader batches inside each worker and interleaves them in
+            # worker order, which then reproduces the single-process batches exactly
+            if ((k - start) // self.worker_batch_size) % workers == worker_id:
                 self.packs_consumed = k + 1
                 yield self.encode_pack(packs[k])
         self.packs_consumed = 0

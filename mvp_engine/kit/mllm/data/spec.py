@@ -79,6 +79,8 @@ class MLLMDataSpec:
             raise ValueError(f"data.overlong={self.overlong!r} is invalid: allowed one of {list(OVERLONG_POLICIES)}")
         if not isinstance(self.max_seq_len, int) or self.max_seq_len < 1:
             raise ValueError(f"data.max_seq_len={self.max_seq_len!r} is invalid: allowed an int >= 1")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"data.seed={self.seed!r} is invalid: allowed an int >= 0")
 
     def effective_packing(self) -> MLLMPackingSpec:
         """The packing spec to plan with; unpacked data plans one sample per pack under the data limits."""

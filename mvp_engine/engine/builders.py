@@ -1,0 +1,102 @@
+"""Model and processor building that every recipe shares: a ``save_pretrained`` folder, or a tiny seeded init.
+
+No hub is reachable, so a recipe's default model is tiny and randomly initialised from a YAML config, with its
+vocabulary and special-token ids taken from a committed tokenizer asset (``tools/build_tokenizer_assets.py``);
+``pretrained=<dir>`` loads a ``save_pretrained`` folder (model, tokenizer, image processor) instead. A recipe
+supplies its model class, its image-processor class and a function from (model cfg, tokenizer) to the model config.
+
+Images go through transformers' PIL image processors (the torchvision-free backend); the multimodal ``*Processor``
+classes are not used because several insist on a video processor, which needs torchvision. ``ProcessorBundle``
+holds the tokenizer and the image processor instead and saves both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+
+def to_plain(cfg: Any) -> Any:
+    """A Hydra ``DictConfig`` / nested mapping as plain dicts and lists (None stays None)."""
+    if cfg is None:
+        return None
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    if isinstance(cfg, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(cfg, resolve=True)
+    if isinstance(cfg, Mapping):
+        return {k: to_plain(v) for k, v in cfg.items()}
+    if isinstance(cfg, (list, tuple)):
+        return [to_plain(v) for v in cfg]
+    return cfg
+
+
+@dataclass
+class ProcessorBundle:
+    """Tokenizer + PIL image processor, with the special-token ids the encoder and the model config need.
+
+    A recipe subclasses it to set ``image_token`` (the placeholder its chat template renders per image).
+    """
+
+    tokenizer: PreTrainedTokenizerBase
+    image_processor: Any
+    image_token: str = "<image>"
+
+    def token_id(self, token: str) -> int:
+        token_id = self.tokenizer.convert_tokens_to_ids(token)
+        if token_id is None or token_id == self.tokenizer.unk_token_id and token != self.tokenizer.unk_token:
+            raise ValueError(f"tokenizer has no {token!r} token; rebuild it with tools/build_tokenizer_assets.py")
+        return int(token_id)
+
+    @property
+    def image_token_id(self) -> int:
+        return self.token_id(self.image_token)
+
+    @property
+    def pad_token_id(self) -> int:
+        return int(self.tokenizer.pad_token_id)
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        self.tokenizer.save_pretrained(directory)
+        self.image_processor.save_pretrained(directory)
+
+
+def tokenizer_dir(cfg: Mapping, default: Path) -> str:
+    """``cfg.pretrained`` if set, else ``cfg.tokenizer_dir``, else the recipe's committed asset."""
+    return str(cfg.get("pretrained") or cfg.get("tokenizer_dir") or default)
+
+
+def build_processor_bundle(bundle_cls: Callable[..., ProcessorBundle], model_cfg: Mapping | None,
+                           image_processor_cls, default_tokenizer_dir: Path, **image_kwargs) -> ProcessorBundle:
+    """Tokenizer and image processor from ``model_cfg.pretrained`` if set (its saved preprocessor config wins),
+    else the tokenizer asset and ``image_processor_cls(**image_kwargs)``."""
+    cfg = to_plain(model_cfg) or {}
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(cfg, default_tokenizer_dir))
+    if cfg.get("pretrained"):
+        return bundle_cls(tokenizer, image_processor_cls.from_pretrained(cfg["pretrained"]))
+    return bundle_cls(tokenizer, image_processor_cls(**image_kwargs))
+
+
+def build_hf_model(model_cls, model_cfg: Mapping | None, attn_implementation: str | dict,
+                   make_config: Callable[[dict, PreTrainedTokenizerBase], Any], default_tokenizer_dir: Path):
+    """``model_cls.from_pretrained(model_cfg.pretrained)`` or a tiny seeded random init of
+    ``make_config(model_cfg, tokenizer)``.
+
+    Keys read: ``pretrained``, ``tokenizer_dir``, ``seed`` (default 0), ``dtype`` (default float32), plus whatever
+    ``make_config`` reads (usually ``config``).
+    """
+    cfg = to_plain(model_cfg) or {}
+    dtype = getattr(torch, str(cfg.get("dtype") or "float32"))
+    if cfg.get("pretrained"):
+        return model_cls.from_pretrained(cfg["pretrained"], attn_implementation=attn_implementation, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(cfg, default_tokenizer_dir))
+    config = make_config(cfg, tokenizer)
+    # fork_rng: the seeded init must not move the caller's global RNG stream
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(cfg.get("seed") or 0))
+        return model_cls._from_config(config, attn_implementation=attn_implementation, dtype=dtype)

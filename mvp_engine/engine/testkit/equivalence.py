@@ -1,0 +1,272 @@
+"""Packed equivalence: a packed forward/backward computes exactly what one-by-one forwards/backwards compute.
+
+The case: real records (PIL images written to a temp dir: image samples, text-only samples, a multi-image
+multi-turn sample) encoded by the recipe's own encoder, packed into two rows that both end in padding through the
+DataKit's ``MLLMPack`` / ``MLLMCollator`` (the batches training sees). The reference: each sample alone, through
+the recipe's ``prepare_padded`` on a one-row batch without padding (the model's own positions and causal mask).
+Compared, in fp32 on CPU for eager / sdpa / flex_attention (flash: CUDA and bf16 only):
+
+- logits of every segment: max abs difference <= ``tol`` (1e-5);
+- the token-mean loss of the packed batch (the engine's ``weighted_token_loss``) equals the token-weighted mean of
+  the separate losses;
+- every parameter gradient of that loss, relative difference <= ``tol`` (not on CPU for flex_attention: torch's
+  FlexAttention has no CPU backward).
+
+``check_flash_kwargs_with_reference_attention`` covers the flash path on CPU: the kwargs ``prepare_packed`` builds
+for flash go through the model into a registered varlen reference attention and must give one-by-one logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mvp_engine.kit.mllm.data import MLLMCollator, MLLMPack, MLLMSample
+from mvp_engine.packing import is_flash, row_segments
+
+from ..loss import weighted_token_loss
+from ..recipe import Recipe
+from .records import demo_like_records
+from .structure import backward_available, compose_config, load_recipe
+
+TOL = 1e-5
+LOW_PRECISION_TOL = 3e-2
+
+
+def collate_rows(rows: list[list[MLLMSample]], pad_token_id: int, extra_pad: int = 3) -> dict:
+    """The DataKit's own pack + collate of ``rows``, padded to the longest row plus ``extra_pad`` tokens."""
+    width = max(sum(s.length for s in row) for row in rows) + extra_pad
+    collator = MLLMCollator(pad_token_id=pad_token_id, pad_to_multiple_of=width)
+    return collator([MLLMPack(row).to_model_inputs() for row in rows])
+
+
+@dataclass
+class EquivalenceCase:
+    """A recipe's tiny model config and processor, encoded demo-like samples and the packed batch of them."""
+
+    recipe: Recipe
+    model_cfg: Any
+    processor: Any
+    samples: list[MLLMSample]
+    rows: list[list[MLLMSample]]
+    batch: dict
+
+    @property
+    def pad_token_id(self) -> int:
+        return self.recipe.pad_token_id(self.processor)
+
+    def segments(self) -> list[tuple[int, int, int, MLLMSample]]:
+        """``(row, start, end, sample)`` of every real segment of the packed batch."""
+        flat = iter(s for row in self.rows for s in row)
+        return [(row, start, end, next(flat))
+                for row, runs in enumerate(row_segments(self.batch["pack_segment_ids"]))
+                for seg, start, end in runs if seg >= 0]
+
+    def alone(self, sample: MLLMSample) -> dict:
+        """The one-row, unpadded batch of ``sample``: the one-by-one reference input."""
+        return collate_rows([[sample]], self.pad_token_id, extra_pad=0)
+
+
+def equivalence_case(name: str, workdir: Path) -> EquivalenceCase:
+    """Rows ``[image, text-only, multi-image]`` and ``[text-only, image]``, both ending in padding."""
+    recipe = load_recipe(name)
+    model_cfg = compose_config(name).model
+    processor = recipe.build_processor(model_cfg)
+    encoder = recipe.build_encoder(processor)
+    samples = [encoder.encode(record) for record in demo_like_records(Path(workdir))]
+    rows = [[samples[0], samples[1], samples[2]], [samples[3], samples[4]]]
+    batch = collate_rows(rows, recipe.pad_token_id(processor))
+    assert (batch["pack_segment_ids"][:, -1] == -1).all(), "every row must end in padding"
+    return EquivalenceCase(recipe, model_cfg, processor, samples, rows, batch)
+
+
+@dataclass
+class SegmentDiff:
+    row: int
+    start: int
+    end: int
+    sample_id: str
+    max_abs: float
+
+
+@dataclass
+class EquivalenceReport:
+    """What ``run_equivalence`` measured; ``failures()`` lists what is over ``tol``."""
+
+    recipe: str
+    backend: str
+    dtype: str
+    segments: list[SegmentDiff]
+    packed_loss: float
+    separate_loss: float
+    grad_rel_diff: float | None
+    tol: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def max_logit_diff(self) -> float:
+        return max(s.max_abs for s in self.segments)
+
+    @property
+    def loss_diff(self) -> float:
+        return abs(self.packed_loss - self.separate_loss)
+
+    def failures(self) -> list[str]:
+        out = [f"segment {s.sample_id} (row {s.row}, tokens {s.start}:{s.end}): max logit diff {s.max_abs:.3e}"
+               for s in self.segments if not s.max_abs <= self.tol]
+        if not self.loss_diff <= self.tol:
+            out.append(f"loss: packed {self.packed_loss:.8f} vs separate {self.separate_loss:.8f}")
+        if self.grad_rel_diff is not None and not self.grad_rel_diff <= self.tol:
+            out.append(f"gradients: max relative diff {self.grad_rel_diff:.3e}")
+        return out + [note for note in self.notes if note.startswith("FAIL")]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures()
+
+    def lines(self) -> list[str]:
+        head = f"{self.recipe} / {self.backend} ({self.dtype}, tolerance {self.tol:.0e})"
+        rows = [f"  segment {s.sample_id:<8} row {s.row} tokens {s.start:>3}:{s.end:<3} "
+                f"max |packed - one-by-one| logit diff {s.max_abs:.3e}" for s in self.segments]
+        grads = ("not checked" if self.grad_rel_diff is None else f"{self.grad_rel_diff:.3e}")
+        tail = [f"  max logit diff {self.max_logit_diff:.3e}",
+                f"  loss packed {self.packed_loss:.8f} separate {self.separate_loss:.8f} diff {self.loss_diff:.3e}",
+                f"  max relative grad diff {grads}", *(f"  {note}" for note in self.notes),
+                "  OK" if self.ok else "  FAILED: " + "; ".join(self.failures())]
+        return [head, *rows, *tail]
+
+    def check(self) -> None:
+        assert self.ok, "\n".join(self.lines())
+
+
+def _to(batch: dict, device: str) -> dict:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def _relative_grad_diff(params, packed_grads) -> tuple[float, list[str]]:
+    worst, problems = 0.0, []
+    for (name, p), g_packed in zip(params, packed_grads):
+        ref = p.grad if p.grad is not None else torch.zeros_like(p)
+        if ref.norm() > 1e-8:
+            worst = max(worst, ((g_packed - ref).norm() / ref.norm()).item())
+        elif g_packed.abs().max() > 1e-8:
+            problems.append(f"FAIL: {name} has a packed gradient but no one-by-one gradient")
+    return worst, problems
+
+
+def run_equivalence(case: EquivalenceCase, backend: str, *, prepare_packed: Callable | None = None,
+                    device: str | None = None, dtype: torch.dtype | None = None,
+                    tol: float | None = None) -> EquivalenceReport:
+    """Packed vs one-by-one on ``backend`` (``prepare_packed`` overrides the recipe's, e.g. to prove a broken one
+    is caught). fp32 on CPU by default; flash runs on CUDA in bf16 with a looser tolerance."""
+    flash = is_flash(backend)
+    device = device or ("cuda" if flash else "cpu")
+    dtype = dtype or (torch.bfloat16 if flash else torch.float32)
+    tol = tol if tol is not None else (TOL if dtype == torch.float32 else LOW_PRECISION_TOL)
+    prepare = prepare_packed or case.recipe.prepare_packed
+    model = case.recipe.build_model(case.model_cfg, backend).to(device=device, dtype=dtype).eval()
+    grads = backward_available(backend) if device == "cpu" else True
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    batch = _to(case.batch, device)
+    notes = [] if grads else [f"gradients not checked: torch's FlexAttention has no backward on {device}"]
+
+    with torch.set_grad_enabled(grads):
+        logits = model(**prepare(batch, model, backend)).logits
+        packed = weighted_token_loss(logits, batch["labels"], batch["pack_segment_ids"], "token")
+        packed_loss = packed.weighted_sum / packed.weight_total
+        packed_grads = []
+        if grads:
+            packed_loss.backward()
+            packed_grads = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for _, p in params]
+            model.zero_grad(set_to_none=True)
+
+        diffs, means, counts = [], [], []
+        for row, start, end, sample in case.segments():
+            alone = _to(case.alone(sample), device)
+            ref = model(**case.recipe.prepare_padded(alone, model, backend)).logits
+            diffs.append(SegmentDiff(row, start, end, sample.sample_id,
+                                     (logits[row, start:end].detach() - ref[0].detach()).abs().max().float().item()))
+            part = weighted_token_loss(ref, alone["labels"], alone["pack_segment_ids"], "token")
+            if part.weight_total > 0:
+                means.append(part.weighted_sum / part.weight_total)
+                counts.append(part.weight_total)
+        separate_loss = sum(m * n for m, n in zip(means, counts)) / sum(counts)
+        alone_total, packed_total = float(sum(counts)), float(packed.weight_total)
+        if alone_total != packed_total:
+            notes.append(f"FAIL: {alone_total} supervised tokens one by one, {packed_total} packed")
+        grad_diff = None
+        if grads:
+            separate_loss.backward()
+            grad_diff, problems = _relative_grad_diff(params, packed_grads)
+            notes += problems
+    return EquivalenceReport(case.recipe.name, backend, str(dtype).removeprefix("torch."), diffs,
+                             packed_loss.detach().item(), separate_loss.detach().item(), grad_diff, tol, notes)
+
+
+# --------------------------------------------------------------------------------------- flash kwargs, on CPU
+
+
+def varlen_reference_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, is_causal=None,
+                               cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None, **kwargs):
+    """A CPU stand-in for flash-attention varlen: causal attention within each ``cu_seq_lens_q`` span of the
+    flattened (B*L) tokens; plain sdpa when no spans are given."""
+    n_rep = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(n_rep, 1), value.repeat_interleave(n_rep, 1)
+    if cu_seq_lens_q is None:
+        causal = module.is_causal if is_causal is None else is_causal
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                             is_causal=bool(causal) and attention_mask is None, scale=scaling)
+    else:
+        assert attention_mask is None and torch.equal(cu_seq_lens_q, cu_seq_lens_k)
+        batch, heads, length, dim = query.shape
+        q, k, v = (t.transpose(0, 1).reshape(heads, batch * length, dim) for t in (query, key, value))
+        bounds = cu_seq_lens_q.tolist()
+        assert max_length_q == max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+        out = torch.cat([F.scaled_dot_product_attention(q[:, a:b], k[:, a:b], v[:, a:b], is_causal=True,
+                                                        scale=scaling) for a, b in zip(bounds[:-1], bounds[1:])], 1)
+        out = out.reshape(heads, batch, length, dim).transpose(0, 1)
+    return out.transpose(1, 2).contiguous(), None
+
+
+@contextmanager
+def language_model_reads(model, attn_implementation: str):
+    """Make the model *say* its language model runs ``attn_implementation`` (what ``prepare_packed`` checks)."""
+    config = getattr(model.config, "text_config", None) or model.config
+    before = config._attn_implementation
+    config._attn_implementation = attn_implementation
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+
+
+def check_flash_kwargs_with_reference_attention(case: EquivalenceCase, backend: str = "flash_attention_2",
+                                                tol: float = TOL) -> float:
+    """The flash path needs CUDA; on CPU its kwargs (varlen over the flattened batch, no attention_mask) go through
+    the model, whose language model runs a registered varlen reference attention (the vision tower keeps sdpa,
+    which ignores varlen kwargs), and must reproduce one-by-one logits. Returns the max logit difference."""
+    from transformers import AttentionInterface
+
+    model = case.recipe.build_model(case.model_cfg, "sdpa").eval()
+    with language_model_reads(model, backend):
+        kwargs = case.recipe.prepare_packed(case.batch, model, backend)
+    assert "attention_mask" not in kwargs and kwargs["cu_seq_lens_q"].dtype == torch.int32
+    assert torch.equal(kwargs["cu_seq_lens_q"], case.batch["cu_seqlens"].to(torch.int32))
+    assert kwargs["max_length_q"] == case.batch["max_seqlen"]
+
+    AttentionInterface.register("varlen_reference", varlen_reference_attention)
+    with torch.no_grad():
+        references = [model(**case.recipe.prepare_padded(case.alone(s), model, "sdpa")).logits[0]
+                      for *_, s in case.segments()]
+        model.set_attn_implementation({"text_config": "varlen_reference"})
+        logits = model(**kwargs).logits
+    worst = max((logits[row, start:end] - ref).abs().max().item()
+                for (row, start, end, _), ref in zip(case.segments(), references))
+    assert worst <= tol, f"flash kwargs through the varlen reference: max logit diff {worst:.3e}"
+    return worst

@@ -1,0 +1,92 @@
+"""Demo-like records for recipe checks: real image files written with PIL, OpenAI-style messages."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from mvp_engine.kit.mllm.data import MLLMRecord
+
+IMAGE_SIZES = {"wide": (60, 90), "square": (40, 40), "tall": (120, 50), "small": (20, 30)}  # (height, width)
+
+
+def write_image(path: Path, height: int, width: int, seed: int) -> str:
+    rng = np.random.RandomState(seed)
+    Image.fromarray(rng.randint(0, 256, (height, width, 3), dtype=np.uint8)).save(path)
+    return str(path)
+
+
+def text(t: str) -> dict:
+    return {"type": "text", "text": t}
+
+
+def image(path: str) -> dict:
+    return {"type": "image", "path": path}
+
+
+def user(*parts) -> dict:
+    return {"role": "user", "content": list(parts)}
+
+
+def assistant(t: str) -> dict:
+    return {"role": "assistant", "content": [text(t)]}
+
+
+def system(t: str) -> dict:
+    return {"role": "system", "content": [text(t)]}
+
+
+def write_images(directory: Path) -> dict[str, str]:
+    """The four fixture images (wide, square, tall, small) as PNG files in ``directory``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    return {name: write_image(directory / f"{name}.png", h, w, seed)
+            for seed, (name, (h, w)) in enumerate(IMAGE_SIZES.items())}
+
+
+def demo_like_records(directory: Path) -> list[MLLMRecord]:
+    """Image samples, text-only samples and a multi-image, multi-turn sample, in this order:
+    ``img0``, ``txt0``, ``multi``, ``txt1``, ``img1``."""
+    images = write_images(directory)
+    return [
+        MLLMRecord("img0", "fixture.jsonl:1", [user(image(images["wide"]), text("What colour is it?")),
+                                               assistant("It is red.")]),
+        MLLMRecord("txt0", "fixture.jsonl:2", [user(text("Count to three.")), assistant("one two three")]),
+        MLLMRecord("multi", "fixture.jsonl:3", [user(image(images["square"]), text("And this?")),
+                                                assistant("A square."),
+                                                user(image(images["tall"]), image(images["small"]), text("Now?")),
+                                                assistant("A tall box and a small dot.")]),
+        MLLMRecord("txt1", "fixture.jsonl:4", [system("Be brief."), user(text("Why is the sky blue?")),
+                                               assistant("Because of light.")]),
+        MLLMRecord("img1", "fixture.jsonl:5", [user(text("Describe:"), image(images["small"])),
+                                               assistant("A small picture.")]),
+    ]
+
+
+def varied_records(directory: Path) -> list[MLLMRecord]:
+    """Many records over many image sizes (tiny, huge, extreme aspect ratios, a greyscale JPEG) and layouts (text
+    only, one image, two images, system + multi-turn with images in later turns), for measure == encode checks."""
+    directory.mkdir(parents=True, exist_ok=True)
+    sizes = [(10, 10), (28, 28), (56, 56), (60, 90), (90, 60), (200, 300), (300, 200), (800, 300), (28, 600),
+             (33, 47), (500, 500), (57, 113)]
+    paths = [write_image(directory / f"im{i}.png", h, w, i) for i, (h, w) in enumerate(sizes)]
+    paths.append(str(directory / "im.jpg"))
+    Image.new("L", (77, 45), 128).save(paths[-1])  # greyscale JPEG
+    records = []
+    for i in range(len(paths) * 2):
+        p, q = paths[i % len(paths)], paths[(i * 5 + 1) % len(paths)]
+        kind = i % 5
+        if kind == 0:
+            msgs = [user(text(f"Question {i}?")), assistant(f"Answer {i}.")]
+        elif kind == 1:
+            msgs = [user(image(p), text("What is this?")), assistant("A shape.")]
+        elif kind == 2:
+            msgs = [user(image(p), image(q), text("Compare.")), assistant("Two images.")]
+        elif kind == 3:
+            msgs = [system("You count things."), user(text("Hi"), image(p)), assistant("Hello."), user(image(q)),
+                    assistant("Another one.")]
+        else:
+            msgs = [user(text("a")), assistant("b"), user(text("c")), assistant("d e f")]
+        records.append(MLLMRecord(f"r{i}", f"many.jsonl:{i}", msgs))
+    return records

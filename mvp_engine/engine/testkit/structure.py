@@ -1,0 +1,97 @@
+"""Structure checks: a recipe composes, exposes its hooks, and validates every packing x attention combination."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from mvp_engine.kit.mllm.data import MLLMSampleEncoder
+
+from ..config import ATTENTION_BACKENDS, CONF_DIR, check_attention, resolve_run_specs
+from ..recipe import Recipe
+
+PACKINGS = (None, "greedy", "bfd")
+
+
+def compose_config(config_name: str, overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
+    """The config a ``python -m recipes.<name>.train <overrides>`` run would see (no Hydra run dir)."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name=config_name, overrides=list(overrides), return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    return cfg
+
+
+def packing_overrides(packing: str | None) -> list[str]:
+    return [] if packing is None else [f"+packing={packing}"]
+
+
+def load_recipe(name: str) -> Recipe:
+    return importlib.import_module(f"recipes.{name}.train").RECIPE
+
+
+def check_structure(name: str) -> None:
+    """Entry point, hooks and the encoder protocol are in place."""
+    module = importlib.import_module(f"recipes.{name}.train")
+    assert callable(getattr(module, "main", None)), f"recipes.{name}.train has no main()"
+    recipe = module.RECIPE
+    assert recipe.name == name
+    for hook in ("prepare_packed", "prepare_padded"):
+        params = list(inspect.signature(getattr(recipe, hook)).parameters)
+        assert params[:3] == ["batch", "model", "attn_implementation"], f"{hook} signature is {params}"
+    cfg = compose_config(name)
+    encoder = recipe.build_encoder(recipe.build_processor(cfg.model))
+    assert isinstance(encoder, MLLMSampleEncoder), "the encoder lacks encode/measure"
+
+
+def runnable_backends(recipe: Recipe, training: bool = True) -> list[str]:
+    """The recipe's attention backends this machine can train with (``training=False``: run forward only)."""
+    usable = []
+    for backend in recipe.attention_backends:
+        try:
+            check_attention(backend, recipe.attention_backends, training=training)
+        except ValueError:
+            continue
+        usable.append(backend)
+    return usable
+
+
+def forward_backends(recipe: Recipe) -> list[str]:
+    """The recipe's backends whose forward this machine runs in fp32 (flash needs CUDA and half precision, so it
+    is never one of these: its kwargs are checked on CPU by ``check_flash_kwargs_with_reference_attention``)."""
+    return [b for b in runnable_backends(recipe, training=False) if not b.startswith("flash")]
+
+
+def backward_available(backend: str) -> bool:
+    """torch's FlexAttention has no CPU backward; everything else differentiates anywhere it runs."""
+    return backend != "flex_attention" or torch.cuda.is_available()
+
+
+def check_all_combinations_compose(name: str) -> int:
+    """Every packing x attention combination composes; runnable ones validate, the rest fail naming the key."""
+    recipe = load_recipe(name)
+    checked = 0
+    for packing in PACKINGS:
+        for backend in ATTENTION_BACKENDS:
+            cfg = compose_config(name, [*packing_overrides(packing), f"attention={backend}"])
+            assert cfg.attention.implementation == backend
+            assert (cfg.get("packing") is None) == (packing is None)
+            if backend in runnable_backends(recipe):
+                specs = resolve_run_specs(cfg, recipe.attention_backends)
+                assert (specs.data.packing is None) == (packing is None)
+                if packing is not None:
+                    assert specs.data.packing.strategy == packing
+                    assert specs.data.packing.max_seq_len == specs.data.max_seq_len
+            else:
+                try:
+                    resolve_run_specs(cfg, recipe.attention_backends)
+                except ValueError as err:
+                    assert "attention.implementation" in str(err)
+                else:
+                    raise AssertionError(f"attention={backend} validated on a machine that cannot run it")
+            checked += 1
+    return checked

@@ -1,0 +1,111 @@
+"""Ready-made pytest test classes over the kit's checks: a recipe's test file subclasses one and names the recipe.
+
+    # recipes/<name>/tests/test_smoke.py
+    from mvp_engine.engine.testkit.suites import SmokeSuite
+
+    class TestSmoke(SmokeSuite):
+        recipe = "<name>"
+
+The suites hold no recipe knowledge; a recipe adds its model-specific tests next to them (Qwen2-VL: golden M-RoPE
+positions, guards, the transformers traps). Kept apart from ``mvp_engine.engine.testing`` so importing the kit
+(tools do) does not import pytest.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import mvp_engine.engine.testing as kit
+
+from ..config import ATTENTION_BACKENDS, CONF_DIR, ConfigError, check_attention
+
+
+class RecipeSuite:
+    """Base: ``recipe`` names ``recipes/<recipe>`` (and ``conf/<recipe>.yaml``)."""
+
+    recipe: str = ""
+
+
+class StructureSuite(RecipeSuite):
+    def test_recipe_has_entry_point_encoder_and_prepare_packed(self):
+        kit.check_structure(self.recipe)
+
+    def test_every_packing_and_attention_combination_composes(self):
+        assert kit.check_all_combinations_compose(self.recipe) == len(kit.PACKINGS) * len(ATTENTION_BACKENDS)
+
+    def test_bad_config_stops_with_one_line_naming_the_key(self, tmp_path):
+        cmd = [sys.executable, "-m", f"recipes.{self.recipe}.train", "+packing=greedy", "packing.strategy=zigzag",
+               f"train.output_dir={tmp_path}", f"hydra.run.dir={tmp_path / 'hydra'}"]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=CONF_DIR.parent)
+        assert result.returncode != 0
+        lines = result.stderr.strip().splitlines()
+        assert lines[-1].startswith("config error: packing.strategy='zigzag' is invalid"), result.stderr
+        assert "Traceback" not in result.stderr
+
+
+class SmokeSuite(RecipeSuite):
+    @pytest.mark.parametrize("packing", kit.PACKINGS)
+    def test_smoke_training(self, packing, tmp_path):
+        summary = kit.smoke_run(self.recipe, packing, tmp_path / "run")
+        kit.check_smoke_summary(summary)
+        assert summary["packing"] == packing
+
+
+class EquivalenceSuite(RecipeSuite):
+    """Packed == one-by-one for every backend the recipe declares (skipped, with the reason, where this machine
+    cannot run it); the flash kwargs through a CPU varlen reference attention."""
+
+    def pytest_generate_tests(self, metafunc):
+        if "backend" in metafunc.fixturenames:
+            metafunc.parametrize("backend", kit.load_recipe(self.recipe).attention_backends)
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def case(cls, tmp_path_factory):
+        return kit.equivalence_case(cls.recipe, tmp_path_factory.mktemp(f"{cls.recipe}_equivalence"))
+
+    def test_packed_equals_one_by_one(self, case, backend):
+        try:
+            check_attention(backend, case.recipe.attention_backends, training=False)
+        except ConfigError as err:
+            pytest.skip(str(err))
+        report = kit.run_equivalence(case, backend)
+        print("\n".join(report.lines()))
+        report.check()
+
+    def test_flash_kwargs_through_varlen_reference(self, case):
+        if "flash_attention_2" not in case.recipe.attention_backends:
+            pytest.skip(f"{self.recipe} offers no flash attention")
+        kit.check_flash_kwargs_with_reference_attention(case)
+
+
+class EncoderSuite(RecipeSuite):
+    """The recipe's encoder and artifacts: measure == encode, labels, errors, checkpoints, tokenizer asset."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def encoder(cls):
+        recipe = kit.load_recipe(cls.recipe)
+        return recipe.build_encoder(recipe.build_processor(kit.compose_config(cls.recipe).model))
+
+    def test_measure_equals_encode_on_many_records(self, encoder, tmp_path):
+        assert kit.check_measure_equals_encode(encoder, tmp_path) > 20
+
+    def test_labels_supervise_only_assistant_turns(self, encoder, tmp_path):
+        records = kit.demo_like_records(tmp_path)
+        kit.check_assistant_only_labels(encoder, records, [encoder.encode(r) for r in records])
+
+    def test_bad_records_name_their_origin(self, encoder, tmp_path):
+        kit.check_bad_records_name_origin(encoder, tmp_path)
+
+    def test_save_load_round_trip(self, tmp_path):
+        kit.check_save_load_round_trip(self.recipe, tmp_path)
+
+    def test_tokenizer_asset_is_reproducible(self, tmp_path):
+        kit.check_tokenizer_asset(self.recipe, tmp_path)
+
+    def test_no_torchvision_needed(self, tmp_path):
+        kit.check_no_torchvision(self.recipe, tmp_path)

@@ -1,0 +1,186 @@
+"""A sample encoder built on a tokenizer's chat template: the part of every recipe's encoder that is not the model.
+
+``ChatTemplateEncoder`` renders a record's messages with the tokenizer's chat template, expands the i-th image
+placeholder to the number of tokens the model emits for the i-th image, and supervises only assistant turns: the
+assistant's content and the template's turn-end marker, never the role header that opens the turn nor the
+placeholder (or any other ``unsupervised_tokens``). Supervised character spans come from rendering growing
+prefixes of the conversation, so the template must be prefix-stable (rendering the first k messages gives a prefix
+of rendering them all); a template that is not is refused with a clear error.
+
+``encode`` and ``measure`` share one layout function and differ only in where the per-image token counts come
+from: ``encode_images`` (the image processor, on decoded pixels) or ``image_token_count`` (the image size read
+from the file header, nothing decoded). Both read images through the kit's helpers (EXIF rotation applied on both
+sides), so the counts agree. Every error names ``record.origin``.
+
+A recipe subclasses it and sets ``image_token``, ``assistant_header``, ``turn_end``, ``unsupervised_tokens`` and
+implements the two hooks. The processor it is built from needs ``.tokenizer`` and ``.token_id(token)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from PIL import Image
+
+from .images import load_image, read_image_size
+from .sample import IGNORE_INDEX, MLLMRecord, MLLMSample, SampleMeta
+from .sources import MLLMRecordError
+
+ROLES = ("system", "user", "assistant")
+
+
+class ChatTemplateEncoder:
+    """Implements ``MLLMSampleEncoder`` over a chat template; subclasses supply the model-specific hooks."""
+
+    image_token: str = "<image>"
+    assistant_header: str = ""
+    turn_end: str = ""
+    unsupervised_tokens: tuple[str, ...] = ()
+
+    def __init__(self, processor: Any):
+        if not self.assistant_header or not self.turn_end:
+            raise TypeError(f"{type(self).__name__} must set assistant_header and turn_end")
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.image_token_id = processor.token_id(self.image_token)
+        self._unsupervised_ids = torch.tensor(
+            [self.image_token_id, *(processor.token_id(token) for token in self.unsupervised_tokens)]
+        )
+        self._special_tokens = sorted(set(self.tokenizer.all_special_tokens))
+
+    # --------------------------------------------------------------------------------------------------- hooks
+
+    def encode_images(self, images: list[Image.Image]) -> tuple[dict[str, torch.Tensor], list[int]]:
+        """Media fields of the sample (first dim over its images or patches) and each image's token count."""
+        raise NotImplementedError
+
+    def image_token_count(self, width: int, height: int) -> int:
+        """The token count ``encode_images`` gives an image of this (upright) size, computed without pixels."""
+        raise NotImplementedError
+
+    # -------------------------------------------------------------------------------------------------- public
+
+    def encode(self, record: MLLMRecord) -> MLLMSample:
+        self._validate(record)
+        images = [self._load_image(record, path) for path in record.image_paths]
+        media: dict[str, torch.Tensor] = {}
+        counts: list[int] = []
+        if images:
+            try:
+                media, counts = self.encode_images(images)
+            except Exception as err:  # noqa: BLE001 - any processor failure is a bad record
+                raise ValueError(f"{record.origin}: image preprocessing failed: {err}") from err
+        input_ids, labels = self._layout(record, counts)
+        return MLLMSample(
+            input_ids=input_ids,
+            labels=labels,
+            sample_id=record.record_id,
+            media=media,
+            num_media=len(counts),
+            media_tokens=sum(counts),
+            media_end=self._media_end(input_ids),
+        )
+
+    def measure(self, record: MLLMRecord) -> SampleMeta:
+        self._validate(record)
+        counts = [self._header_token_count(record, path) for path in record.image_paths]
+        input_ids, _ = self._layout(record, counts)
+        return SampleMeta(length=int(input_ids.numel()), num_media=len(counts), media_end=self._media_end(input_ids))
+
+    # ------------------------------------------------------------------------------------------------- helpers
+
+    def _validate(self, record: MLLMRecord) -> None:
+        if not isinstance(record.messages, list) or not record.messages:
+            raise ValueError(f"{record.origin}: record {record.record_id!r} has no messages")
+        for i, message in enumerate(record.messages):
+            role = message.get("role") if isinstance(message, dict) else None
+            if role not in ROLES:
+                raise ValueError(f"{record.origin}: message {i} has role {role!r}, expected one of {ROLES}")
+            content = message.get("content")
+            if not isinstance(content, list):
+                raise ValueError(f"{record.origin}: message {i} content must be a list of parts")
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "text" and isinstance(part.get("text"), str):
+                    if any(token in part["text"] for token in self._special_tokens):
+                        raise ValueError(f"{record.origin}: message {i} text contains a special token literally")
+                    continue
+                if kind == "image" and isinstance(part.get("path"), str) and part["path"]:
+                    continue
+                raise ValueError(f"{record.origin}: message {i} has an unsupported part {part!r}")
+
+    def _load_image(self, record: MLLMRecord, path: str) -> Image.Image:
+        try:
+            return load_image(path)
+        except MLLMRecordError as err:
+            raise ValueError(f"{record.origin}: {err}") from None
+
+    def _header_token_count(self, record: MLLMRecord, path: str) -> int:
+        """Token count from the file header alone (``Image.open`` reads the size without decoding)."""
+        try:
+            width, height = read_image_size(path)
+        except MLLMRecordError as err:
+            raise ValueError(f"{record.origin}: {err}") from None
+        try:
+            return int(self.image_token_count(width, height))
+        except Exception as err:  # noqa: BLE001
+            raise ValueError(f"{record.origin}: cannot read image {path!r}: {err}") from err
+
+    def _render(self, messages: list[dict], counts: list[int]) -> str:
+        """The chat-template text of ``messages`` with the i-th placeholder repeated ``counts[i]`` times."""
+        if not messages:
+            return ""
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False)
+        pieces = text.split(self.image_token)
+        if len(pieces) - 1 > len(counts):
+            raise ValueError(f"template rendered {len(pieces) - 1} images, {len(counts)} counted")
+        out = [pieces[0]]
+        for count, piece in zip(counts, pieces[1:]):
+            out.append(self.image_token * count + piece)
+        return "".join(out)
+
+    def _assistant_spans(self, messages: list[dict], counts: list[int]) -> tuple[str, list[tuple[int, int]]]:
+        """The full rendering and the character span (content + turn end) of every assistant turn."""
+        full = self._render(messages, counts)
+        spans = []
+        for k, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            before = self._render(messages[:k], counts)
+            through = self._render(messages[: k + 1], counts)
+            header = through.find(self.assistant_header, len(before))
+            if not full.startswith(through) or not through.startswith(before) or header < 0:
+                raise ValueError("chat template is not prefix-stable; cannot locate assistant turns")
+            start = header + len(self.assistant_header)
+            end = through.rindex(self.turn_end) + len(self.turn_end)
+            if end <= start:
+                raise ValueError(f"assistant turn {k} does not end with {self.turn_end!r}")
+            spans.append((start, end))
+        return full, spans
+
+    def _layout(self, record: MLLMRecord, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids and labels: a token is supervised when its characters lie inside an assistant span."""
+        try:
+            full, spans = self._assistant_spans(record.messages, counts)
+        except ValueError as err:
+            raise ValueError(f"{record.origin}: {err}") from err
+        encoded = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+        input_ids = torch.tensor(encoded["input_ids"], dtype=torch.long)
+        offsets = torch.tensor(encoded["offset_mapping"], dtype=torch.long).view(-1, 2)
+        supervised = torch.zeros(input_ids.numel(), dtype=torch.bool)
+        for start, end in spans:
+            supervised |= (offsets[:, 0] >= start) & (offsets[:, 1] <= end) & (offsets[:, 1] > offsets[:, 0])
+        supervised &= ~torch.isin(input_ids, self._unsupervised_ids)
+        labels = torch.where(supervised, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
+        n_placeholders = int((input_ids == self.image_token_id).sum())
+        if n_placeholders != sum(counts):
+            raise ValueError(
+                f"{record.origin}: {n_placeholders} image tokens in the text but the images need {sum(counts)} "
+                f"(a literal {self.image_token} in a text part?)"
+            )
+        return input_ids, labels
+
+    def _media_end(self, input_ids: torch.Tensor) -> int:
+        positions = (input_ids == self.image_token_id).nonzero()
+        return int(positions[-1]) + 1 if positions.numel() else 0

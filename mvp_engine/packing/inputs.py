@@ -1,0 +1,168 @@
+"""The model-family-independent half of ``prepare_packed`` / ``prepare_padded``.
+
+A recipe's hooks turn a collated batch into model kwargs. Most of that is the same for every family and lives
+here: unwrap the training wrapper, check that the batch is prepared for the backend the model actually runs, build
+the backend's attention inputs from ``pack_segment_ids`` (4-D block-causal mask for eager/sdpa, a ``BlockMask`` for
+flex_attention, ``cu_seq_lens_q/k`` + ``max_length_q/k`` for flash), check the batch's own ``position_ids`` and
+``cu_seqlens`` against the segment ids, force ``use_cache=False``, and run every contamination guard. A recipe adds
+only what is model-specific: its positions (1-D for LLaVA, per-segment M-RoPE for Qwen2-VL) and its media kwargs.
+
+Kwargs are built from scratch (never by copying the batch), so batch-only fields (``cu_seqlens``, ``max_seqlen``,
+``sample_ids``, media owners, labels) cannot leak into the model; ``check_packed_model_kwargs`` proves it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .attention import (
+    attention_mask_for,
+    check_packed_model_kwargs,
+    ensure_no_batch_fields,
+    flash_varlen_kwargs,
+    is_flash,
+    segment_positions,
+    validate_segment_ids,
+)
+
+PACKED_BACKENDS = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
+
+
+def unwrap_model(model):
+    """The transformers model inside a DDP / accelerate wrapper (which hide ``config`` and ``dtype``)."""
+    while hasattr(model, "module") and not hasattr(model, "config"):
+        model = model.module
+    return model
+
+
+def language_model_attn_implementation(model) -> str:
+    """The attention implementation of the part that reads the packed mask: the text config's when the model has
+    one (a vision tower may run another backend), else the model's own."""
+    config = unwrap_model(model).config
+    text_config = getattr(config, "text_config", None)
+    return (text_config or config)._attn_implementation
+
+
+def check_model_backend(model, attn_implementation: str) -> None:
+    """The batch must be prepared for the backend the language model runs: mask formats differ per backend."""
+    configured = language_model_attn_implementation(model)
+    if configured != attn_implementation:
+        raise ValueError(
+            f"model runs attn_implementation={configured!r} but the batch is prepared for {attn_implementation!r}: "
+            "the mask format would not match (eager adds the mask, sdpa reads bool, flex needs a BlockMask, flash "
+            "needs cu_seq_lens)"
+        )
+
+
+def text_positions(batch: Mapping[str, Any]) -> torch.Tensor:
+    """(B, L) positions restarting at every segment, checked against the batch's own ``position_ids``."""
+    segment_ids = batch["pack_segment_ids"]
+    validate_segment_ids(segment_ids)
+    positions = segment_positions(segment_ids)
+    given = batch.get("position_ids")
+    if given is not None and not torch.equal(given.to(positions.device), positions):
+        raise ValueError("batch position_ids disagree with pack_segment_ids (expected a restart at every segment)")
+    return positions
+
+
+def media_owners(batch: Mapping[str, Any], n_items: int) -> list[tuple[int, int]]:
+    """``(row, segment)`` of every media item, required in row-major, segment order: models fill placeholders in
+    the order of the flattened batch, so any other order would hand one sample another's image."""
+    if n_items == 0:
+        return []
+    rows, segs = batch.get("media_batch_index"), batch.get("media_segment_ids")
+    if rows is None or segs is None:
+        raise ValueError("a batch with images needs media_batch_index and media_segment_ids")
+    owners = list(zip(rows.tolist(), segs.tolist()))
+    if len(owners) != n_items:
+        raise ValueError(f"{len(owners)} media owners for {n_items} images")
+    if owners != sorted(owners):
+        raise ValueError("media must be concatenated in row-major, segment order (the model fills placeholders so)")
+    return owners
+
+
+def check_media_placement(batch: Mapping[str, Any], placeholder: torch.Tensor,
+                          tokens_per_item: Sequence[int]) -> list[tuple[int, int]]:
+    """Every segment holds exactly the placeholder tokens its own media items need (``placeholder``: (B, L) bool,
+    ``tokens_per_item``: placeholder tokens of each item in batch order); returns the items' owners."""
+    owners = media_owners(batch, len(tokens_per_item))
+    needed: Counter = Counter()
+    for owner, tokens in zip(owners, tokens_per_item):
+        needed[owner] += int(tokens)
+    rows, cols = placeholder.nonzero(as_tuple=True)
+    have = Counter(zip(rows.tolist(), batch["pack_segment_ids"][rows, cols].tolist()))
+    for row, seg in sorted(set(needed) | set(have)):
+        if have[(row, seg)] != needed[(row, seg)]:
+            items = sum(1 for owner in owners if owner == (row, seg))
+            raise ValueError(f"row {row} segment {seg}: {have[(row, seg)]} image tokens but its {items} image(s) "
+                             f"need {needed[(row, seg)]}")
+    return owners
+
+
+def packed_attention_kwargs(batch: Mapping[str, Any], attn_implementation: str, dtype: torch.dtype) -> dict:
+    """The backend's attention inputs for a packed batch, all derived from ``pack_segment_ids``."""
+    segment_ids = batch["pack_segment_ids"]
+    if is_flash(attn_implementation):
+        varlen = flash_varlen_kwargs(segment_ids)
+        given = batch.get("cu_seqlens")
+        if given is not None and not torch.equal(given.to(torch.int32).cpu(), varlen["cu_seq_lens_q"].cpu()):
+            raise ValueError("batch cu_seqlens disagree with pack_segment_ids")
+        return varlen
+    if attn_implementation not in PACKED_BACKENDS:
+        raise NotImplementedError(f"packed attention for {attn_implementation!r} is not implemented")
+    return {"attention_mask": attention_mask_for(segment_ids, attn_implementation, dtype)}
+
+
+def prepare_packed_inputs(
+    batch: Mapping[str, Any],
+    model,
+    attn_implementation: str,
+    *,
+    position_ids: torch.Tensor,
+    position_rows: int,
+    media: Mapping[str, Any],
+    supported: tuple[str, ...] = PACKED_BACKENDS,
+) -> dict[str, Any]:
+    """Model kwargs of a packed batch: ``input_ids``, the recipe's ``position_ids`` and ``media``, the backend's
+    attention inputs and ``use_cache=False``, checked by every guard (``position_rows``: 1 for (B, L) positions,
+    4 for Qwen2-VL's (4, B, L))."""
+    model = unwrap_model(model)
+    if attn_implementation not in supported:
+        raise NotImplementedError(f"packed attention for {attn_implementation!r} is not offered: {list(supported)}")
+    check_model_backend(model, attn_implementation)
+    kwargs: dict[str, Any] = {
+        "input_ids": batch["input_ids"],
+        "position_ids": position_ids,
+        "use_cache": False,
+        **media,
+        **packed_attention_kwargs(batch, attn_implementation, model.dtype),
+    }
+    check_packed_model_kwargs(kwargs, attn_implementation, position_rows=position_rows)
+    return kwargs
+
+
+def prepare_padded_inputs(
+    batch: Mapping[str, Any], model, attn_implementation: str, *, media: Mapping[str, Any], **extra: Any
+) -> dict[str, Any]:
+    """Model kwargs of the unpacked baseline: one sample per row, a 2-D padding mask, positions left to the model,
+    ``use_cache=False``, plus the recipe's ``media`` and ``extra`` kwargs."""
+    model = unwrap_model(model)
+    check_model_backend(model, attn_implementation)
+    segment_ids = batch["pack_segment_ids"]
+    validate_segment_ids(segment_ids)
+    if bool((segment_ids > 0).any()):
+        rows = sorted(set((segment_ids > 0).nonzero()[:, 0].tolist()))
+        raise ValueError(f"prepare_padded got packed rows {rows} (more than one segment); use prepare_packed")
+    kwargs = {
+        "input_ids": batch["input_ids"],
+        "attention_mask": (segment_ids >= 0).long(),
+        "use_cache": False,
+        **media,
+        **extra,
+    }
+    ensure_no_batch_fields(kwargs)
+    return kwargs

@@ -1,0 +1,212 @@
+"""``tools/pack_report.py`` and ``tools/estimate_steps.py`` on the demo data.
+
+Why: a report is only useful if its numbers are the run's numbers. These tests check that the files are
+written, that the report reconciles with a plan built independently through the kit, and that the step estimate
+equals ``Trainer.total_steps`` and the steps a real short run takes (whose token accounting must also equal the
+report's padding and attention numbers).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from mvp_engine.engine.config import ConfigError, resolve_run_specs
+from mvp_engine.engine.testing import compose_config, load_recipe, packing_overrides
+from mvp_engine.engine.trainer import Trainer
+from mvp_engine.kit.mllm.data import MLLMDataKit
+from mvp_engine.kit.mllm.data.demo import write_demo_dataset
+from recipes.qwen2_vl.encoder import Qwen2VLSampleEncoder
+from tools.estimate_steps import compute_step_estimate
+from tools.pack_report import (
+    JSON_NAME,
+    PNG_NAME,
+    REPORT_DEFAULTS,
+    ReportSpec,
+    compute_pack_report,
+    report_spec,
+    resolve_world_size,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RECIPE_NAME = "qwen2_vl"
+DEMO_SAMPLES = 60
+MAX_SEQ_LEN = 512
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory) -> Path:
+    """One demo data set for the whole module (written once; every config points at it)."""
+    out = tmp_path_factory.mktemp("demo")
+    write_demo_dataset(out, DEMO_SAMPLES, 0)
+    return out
+
+
+def overrides(demo_dir: Path, packing: str | None, *extra: str) -> list[str]:
+    return [*packing_overrides(packing), f"demo.num_samples={DEMO_SAMPLES}", f"demo.out_dir={demo_dir}",
+            f"data.max_seq_len={MAX_SEQ_LEN}", *extra]
+
+
+def reference_dataset(cfg, rank: int = 0, world_size: int = 1):
+    """The dataset built straight through the kit, not through the tools' helpers."""
+    recipe = load_recipe(RECIPE_NAME)
+    specs = resolve_run_specs(cfg, recipe.attention_backends)
+    specs.data.sources = [str(Path(specs.demo.out_dir) / "demo.jsonl")]
+    encoder = recipe.build_encoder(recipe.build_processor(cfg.model))
+    return MLLMDataKit.build_dataset(specs.data, encoder, rank=rank, world_size=world_size,
+                                     drop_last=specs.train.drop_last), specs.train
+
+
+def run_tool(script: str, args: list[str]) -> str:
+    done = subprocess.run([sys.executable, f"tools/{script}", *args], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+# --- the command lines --------------------------------------------------------------------------------------
+
+
+def test_pack_report_cli_writes_json_and_png_of_the_computed_numbers(demo_dir, tmp_path):
+    args = overrides(demo_dir, "greedy", f"+report.out_dir={tmp_path / 'report'}")
+    stdout = run_tool("pack_report.py", [*args, f"hydra.run.dir={tmp_path / 'run'}"])
+    assert "lower bound" in stdout and "padding ratio" in stdout and "estimated optimizer steps" in stdout
+    written = json.loads((tmp_path / "report" / JSON_NAME).read_text())
+    assert (tmp_path / "report" / PNG_NAME).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert written == json.loads(json.dumps(compute_pack_report(compose_config(RECIPE_NAME, args))))
+    assert f"estimated optimizer steps: {written['estimated_optimizer_steps']} " in stdout
+
+
+def test_estimate_steps_cli_prints_the_trainers_total(demo_dir, tmp_path):
+    args = overrides(demo_dir, "bfd", "train.micro_batch_size=3", "train.gradient_accumulation_steps=2")
+    stdout = run_tool("estimate_steps.py", [*args, f"hydra.run.dir={tmp_path / 'run'}"])
+    total = int(re.search(r"total optimizer steps: (\d+)", stdout).group(1))
+    assert "micro-batches per rank" in stdout and "packs" in stdout
+    trainer = Trainer(compose_config(RECIPE_NAME, [*args, f"train.output_dir={tmp_path / 'out'}"]),
+                      load_recipe(RECIPE_NAME))
+    assert total == trainer.total_steps
+
+
+# --- the numbers reconcile -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("packing", [None, "greedy", "bfd"])
+def test_report_numbers_reconcile_with_the_plan(demo_dir, packing):
+    cfg = compose_config(RECIPE_NAME, overrides(demo_dir, packing, "train.micro_batch_size=3"))
+    report = compute_pack_report(cfg)
+    dataset, train = reference_dataset(cfg)
+    plan = dataset.plan(0)
+    assert report["records"] == DEMO_SAMPLES == report["admitted_samples"] + report["dropped_total"]
+    assert report["dropped"] == dict(plan.drop_counts) and report["dropped_total"] > 0  # the demo has overlong ones
+    assert report["packs"] == len(plan.packs)
+    assert report["packs"] * report["samples_per_pack"]["mean"] == pytest.approx(report["admitted_samples"])
+    assert report["admitted_tokens"] == sum(plan.lengths[i] for pack in plan.packs for i in pack)
+    assert report["lower_bound_packs"] == math.ceil(report["admitted_tokens"] / MAX_SEQ_LEN)
+    assert report["packs"] >= report["lower_bound_packs"]
+    assert report["mean_fill"] == pytest.approx(report["admitted_tokens"] / (report["packs"] * MAX_SEQ_LEN))
+    for name, hist in report["histograms"].items():
+        assert sum(hist["counts"]) == report["packs"], name
+        assert len(hist["edges"]) == len(hist["counts"]) + 1, name
+    batching = report["batching"]
+    assert batching["rows"] == report["packs"] and batching["effective_tokens"] == report["admitted_tokens"]
+    assert batching["micro_batches"] == math.ceil(report["packs"] / 3) == batching["micro_batches_per_rank"]
+    assert 0 <= batching["padding_ratio"] < 1 and 0 < batching["attention_work_ratio"] <= 1
+    assert report["estimated_optimizer_steps"] == dataset.estimate_total_steps(
+        train.epochs, train.micro_batch_size, train.gradient_accumulation_steps)
+    if packing is None:
+        assert report["packs"] == report["admitted_samples"] and report["samples_per_pack"]["max"] == 1
+    else:
+        assert report["samples_per_pack"]["mean"] > 1
+
+
+def test_tools_never_encode_a_sample(demo_dir, monkeypatch):
+    """Planning reads lengths and image headers only: encoding (which decodes images) must never run."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a report tool encoded a sample")
+
+    monkeypatch.setattr(Qwen2VLSampleEncoder, "encode", refuse)
+    monkeypatch.setattr(Qwen2VLSampleEncoder, "_load_image", refuse)
+    cfg = compose_config(RECIPE_NAME, overrides(demo_dir, "greedy"))
+    assert compute_pack_report(cfg)["packs"] > 0
+    assert compute_step_estimate(cfg)["total_optimizer_steps"] > 0
+
+
+def test_world_size_splits_packs_like_the_ranks_do(demo_dir):
+    cfg = compose_config(RECIPE_NAME, overrides(demo_dir, "greedy", "train.micro_batch_size=2", "+report.world_size=3"))
+    report = compute_pack_report(cfg)
+    estimate = compute_step_estimate(cfg)
+    ranks = [reference_dataset(cfg, rank=r, world_size=3)[0] for r in range(3)]
+    batching = report["batching"]
+    assert batching["world_size"] == estimate["world_size"] == 3
+    assert batching["rows"] == sum(len(ds) for ds in ranks) == 3 * estimate["per_epoch"][0]["packs_per_rank"]
+    assert batching["all_padding_rows"] == batching["rows"] - report["packs"]
+    assert batching["micro_batches"] == 3 * estimate["per_epoch"][0]["micro_batches_per_rank"]
+    epochs = report["steps"]["epochs"]
+    assert estimate["total_optimizer_steps"] == report["estimated_optimizer_steps"] == ranks[0].estimate_total_steps(
+        epochs, 2, 1)
+
+
+def test_world_size_comes_from_the_config_else_the_environment(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert resolve_world_size(ReportSpec()) == 1
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert resolve_world_size(ReportSpec()) == 4
+    assert resolve_world_size(ReportSpec(world_size=2)) == 2
+    monkeypatch.setenv("WORLD_SIZE", "zero")
+    with pytest.raises(ConfigError, match="WORLD_SIZE='zero' is invalid"):
+        resolve_world_size(ReportSpec())
+
+
+def test_report_config_defaults_and_errors():
+    assert OmegaConf.to_container(OmegaConf.load(REPORT_DEFAULTS)) == asdict(ReportSpec())
+    with pytest.raises(ConfigError, match=r"report.bins=0 is invalid"):
+        report_spec(compose_config(RECIPE_NAME, ["+report.bins=0"]))
+    with pytest.raises(ConfigError, match=r"^report: .*nope"):
+        report_spec(compose_config(RECIPE_NAME, ["+report.nope=1"]))
+    assert report_spec(compose_config(RECIPE_NAME, ["+report=default", "report.epoch=2"])).epoch == 2
+
+
+# --- the estimate is the run's ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("packing", "extra"), [
+    ("greedy", ("train.micro_batch_size=2", "train.gradient_accumulation_steps=3")),
+    ("bfd", ("packing.buffer_size=16", "train.micro_batch_size=3", "train.drop_last=true")),  # streaming bfd
+    (None, ("train.micro_batch_size=5", "train.gradient_accumulation_steps=2", "train.drop_last=true",
+            "train.epochs=2")),
+])
+def test_estimate_equals_the_trainers_total_steps(demo_dir, tmp_path, packing, extra):
+    args = overrides(demo_dir, packing, *extra)
+    estimate = compute_step_estimate(compose_config(RECIPE_NAME, args))
+    trainer = Trainer(compose_config(RECIPE_NAME, [*args, f"train.output_dir={tmp_path}"]), load_recipe(RECIPE_NAME))
+    assert estimate["total_optimizer_steps"] == trainer.total_steps
+    assert estimate["total_optimizer_steps"] == sum(e["optimizer_steps"] for e in estimate["per_epoch"])
+
+
+@pytest.mark.slow
+def test_estimate_and_report_equal_a_real_run(demo_dir, tmp_path):
+    """One short real training: its step count and token accounting are the tools' numbers."""
+    args = overrides(demo_dir, "greedy", "train.epochs=1", "train.micro_batch_size=2",
+                     "train.gradient_accumulation_steps=3", "train.log_every=1000")
+    report = compute_pack_report(compose_config(RECIPE_NAME, args))
+    estimate = compute_step_estimate(compose_config(RECIPE_NAME, args))
+    trainer = Trainer(compose_config(RECIPE_NAME, [*args, f"train.output_dir={tmp_path}"]), load_recipe(RECIPE_NAME))
+    summary = trainer.run()
+    assert summary["actual_steps"] == trainer.total_steps == estimate["total_optimizer_steps"]
+    assert summary["actual_steps"] == report["estimated_optimizer_steps"]
+    totals, batching = summary["totals"], report["batching"]
+    assert totals["samples"] == report["admitted_samples"] and totals["packs"] == report["packs"]
+    assert totals["dropped"] == report["dropped"]
+    assert totals["batches"] == batching["micro_batches"]
+    for run_key, report_key in (("slots", "slots"), ("effective", "effective_tokens"),
+                                ("attention_work", "attention_work"), ("dense_attention_work", "dense_attention_work")):
+        assert totals[run_key] == batching[report_key], run_key
+    assert totals["padding_ratio"] == pytest.approx(batching["padding_ratio"])
