@@ -176,46 +176,40 @@ def _iter_json(path: Path, name: str) -> Iterator[tuple[str, Any]]:
 # --- formats -----------------------------------------------------------------------------------------------
 
 
-def _llava_messages(raw: dict, origin: str) -> list[dict]:
-    conversations = raw["conversations"]
-    if not isinstance(conversations, list):
-        raise MLLMRecordError(f"{origin}: 'conversations' must be a list, got {_json_type(conversations)}")
-    messages = []
-    for index, turn in enumerate(conversations, start=1):
-        where = f"{origin}: conversations turn {index}"
+def _turns(raw: dict, list_key: str, role_key: str, content_key: str, roles: dict, expected: str, origin: str):
+    """Validated ``(where, role, content)`` of each turn of ``raw[list_key]``; both formats share this shape."""
+    turns = raw[list_key]
+    if not isinstance(turns, list):
+        raise MLLMRecordError(f"{origin}: {list_key!r} must be a list, got {_json_type(turns)}")
+    for index, turn in enumerate(turns, start=1):
+        where = f"{origin}: {list_key} turn {index}"
         if not isinstance(turn, dict):
             raise MLLMRecordError(f"{where} is not an object (got {_json_type(turn)})")
-        if "from" not in turn:
-            raise MLLMRecordError(f"{where} has no 'from'")
-        speaker = turn["from"]
-        if not isinstance(speaker, str) or speaker not in _LLAVA_ROLES:
-            raise MLLMRecordError(f"{where}: unknown 'from' {speaker!r} (expected human, gpt or system)")
-        if "value" not in turn:
-            raise MLLMRecordError(f"{where} has no 'value'")
-        value = turn["value"]
+        if role_key not in turn:
+            raise MLLMRecordError(f"{where} has no {role_key!r}")
+        role = turn[role_key]
+        if not isinstance(role, str) or role not in roles:
+            label = "'from'" if role_key == "from" else "role"
+            raise MLLMRecordError(f"{where}: unknown {label} {role!r} (expected {expected})")
+        if content_key not in turn:
+            raise MLLMRecordError(f"{where} has no {content_key!r}")
+        yield where, roles[role], turn[content_key]
+
+
+def _llava_messages(raw: dict, origin: str) -> list[dict]:
+    messages = []
+    for where, role, value in _turns(raw, "conversations", "from", "value", _LLAVA_ROLES, "human, gpt or system",
+                                     origin):
         if not isinstance(value, str):
             raise MLLMRecordError(f"{where}: 'value' must be a string, got {_json_type(value)}")
-        messages.append({"role": _LLAVA_ROLES[speaker], "content": _split_tags(value)})
+        messages.append({"role": role, "content": _split_tags(value)})
     return messages
 
 
 def _openai_messages(raw: dict, origin: str, image_root) -> list[dict]:
-    turns = raw["messages"]
-    if not isinstance(turns, list):
-        raise MLLMRecordError(f"{origin}: 'messages' must be a list, got {_json_type(turns)}")
     messages = []
-    for index, turn in enumerate(turns, start=1):
-        where = f"{origin}: messages turn {index}"
-        if not isinstance(turn, dict):
-            raise MLLMRecordError(f"{where} is not an object (got {_json_type(turn)})")
-        if "role" not in turn:
-            raise MLLMRecordError(f"{where} has no 'role'")
-        role = turn["role"]
-        if not isinstance(role, str) or role not in _OPENAI_ROLES:
-            raise MLLMRecordError(f"{where}: unknown role {role!r} (expected system, user or assistant)")
-        if "content" not in turn:
-            raise MLLMRecordError(f"{where} has no 'content'")
-        content = turn["content"]
+    for where, role, content in _turns(raw, "messages", "role", "content", _OPENAI_ROLES,
+                                       "system, user or assistant", origin):
         if isinstance(content, str):
             parts = _split_tags(content)
         elif isinstance(content, list):
@@ -224,7 +218,7 @@ def _openai_messages(raw: dict, origin: str, image_root) -> list[dict]:
                 parts.extend(_openai_part(part, f"{where}, part {part_index}", image_root))
         else:
             raise MLLMRecordError(f"{where}: 'content' must be a string or a list of parts, got {_json_type(content)}")
-        messages.append({"role": _OPENAI_ROLES[role], "content": parts})
+        messages.append({"role": role, "content": parts})
     return messages
 
 
