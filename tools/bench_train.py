@@ -30,15 +30,19 @@ the same in every mode and which a real run overlaps with DataLoader workers.
 
 Target: packed >= 2.0x padded effective tokens/s on the demo mix (each of greedy and bfd); printed as OK/MISS.
 What bounds the ratio: packing removes only the padded baseline's padding, so the slot ratio is at most
-1 / (1 - padding ratio) (about 1.6x at the default 4 samples per batch); costs that follow real tokens or images
-(vision tower, sample encoding, per-sample Python work) do not shrink at all, and a packed row's block-causal
-mask still costs a full L x L attention under eager/sdpa. A larger ``--micro-batch`` pads more and widens the gap.
+1 / (1 - padding ratio); costs that follow real tokens or images (vision tower, sample encoding, per-sample Python
+work) do not shrink at all. Attention: the baseline runs ``--padded-attention`` (sdpa, as a padded HF run does);
+packed runs use ``--packed-attention`` (default ``sdpa_varlen``, per-sample attention costing the sum of squared
+segment lengths; with ``sdpa`` a packed row pays a dense L x L block-causal mask, printed for comparison with
+``--packed-attention sdpa``).
 
-    python tools/bench_train.py [--recipe qwen2_vl] [--samples 300] [--max-seq-len N] [--micro-batch M]
-        [--repeats 3] [--threads 1]
+The default baseline is 16 samples per micro-batch, LLaVA-1.5's per-device batch size; ``--micro-batch 4`` (the
+demo config's) pads less (39 %) and so leaves packing less to win.
 
-``--max-seq-len`` and ``--micro-batch`` default to the recipe config's ``data.max_seq_len`` and
-``train.micro_batch_size`` (1024 and 4 for qwen2_vl): the baseline is the padded run the recipe would do.
+    python tools/bench_train.py [--recipe qwen2_vl] [--samples 300] [--max-seq-len N] [--micro-batch 16]
+        [--repeats 3] [--threads 1] [--packed-attention sdpa_varlen]
+
+``--max-seq-len`` defaults to the recipe config's ``data.max_seq_len`` (1024 for qwen2_vl).
 
 ``main(argv)`` returns what it printed as a dict (used by ``tests/test_bench_train.py``).
 """
@@ -98,10 +102,12 @@ def common_overrides(args: argparse.Namespace, samples: int, workdir: Path) -> l
     ]
 
 
-def mode_overrides(mode: str, micro_batch: int, output_dir: Path) -> list[str]:
-    """What differs per mode: packing (none for the padded baseline), rows per micro-batch, output dir."""
+def mode_overrides(args: argparse.Namespace, mode: str, micro_batch: int, output_dir: Path) -> list[str]:
+    """What differs per mode: packing (none for the padded baseline), attention backend, rows per micro-batch."""
     packing = [] if mode == PADDED else [f"+packing={mode}"]
-    return packing + [f"train.micro_batch_size={micro_batch}", f"train.output_dir={output_dir}"]
+    attention = args.padded_attention if mode == PADDED else args.packed_attention
+    return packing + [f"attention={attention}", f"train.micro_batch_size={micro_batch}",
+                      f"train.output_dir={output_dir}"]
 
 
 @contextlib.contextmanager
@@ -156,7 +162,7 @@ def packed_micro_batch(padded: dict, max_seq_len: int) -> int:
 
 
 def run_mode(args: argparse.Namespace, workdir: Path, samples: int, mode: str, micro_batch: int, tag: str) -> dict:
-    overrides = common_overrides(args, samples, workdir) + mode_overrides(mode, micro_batch, workdir / tag)
+    overrides = common_overrides(args, samples, workdir) + mode_overrides(args, mode, micro_batch, workdir / tag)
     return measure(train_once(args.recipe, overrides, args.verbose), mode, micro_batch)
 
 
@@ -210,7 +216,8 @@ def report(args: argparse.Namespace, results: list[dict], seconds: float) -> dic
     print(f"recipe {args.recipe}, {args.samples} demo samples, max_seq_len {args.max_seq_len}, seed {args.seed}, "
           f"torch threads {torch.get_num_threads()}, best of {args.repeats}; padded micro-batch {args.micro_batch} "
           f"samples (mean {padded['slots'] / max(1, padded['batches']):.0f} slots) vs packed "
-          f"{results[1]['micro_batch']} x {args.max_seq_len}")
+          f"{results[1]['micro_batch']} x {args.max_seq_len}; attention padded {args.padded_attention}, packed "
+          f"{args.packed_attention}")
     for r in results:
         print(format_row(r, args.max_seq_len))
     token_ratios, step_ratios = ratios(results, "tokens_per_s"), ratios(results, "step_tokens_per_s")
@@ -236,12 +243,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--recipe", default="qwen2_vl", help="recipes/<name>/train.py and conf/<name>.yaml")
     parser.add_argument("--samples", type=int, default=300, help="demo.num_samples")
     parser.add_argument("--max-seq-len", type=int, help="data.max_seq_len, packs use the same (default: config's)")
-    parser.add_argument("--micro-batch", type=int,
-                        help="samples per padded micro-batch (default: the config's train.micro_batch_size)")
+    parser.add_argument("--micro-batch", type=int, default=16,
+                        help="samples per padded micro-batch (default 16, LLaVA-1.5's per-device batch)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds; each mode keeps its fastest")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: leave torch's default)")
     parser.add_argument("--num-workers", type=int, default=1,
                         help="train.num_workers for every mode: encoding overlaps compute, as in a real run")
+    parser.add_argument("--padded-attention", default="sdpa", help="attention backend of the padded baseline")
+    parser.add_argument("--packed-attention", default="sdpa_varlen",
+                        help="attention backend of the packed runs (sdpa_varlen: per-sample attention, no L x L mask)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up runs")
     parser.add_argument("--verbose", action="store_true", help="show the trainer's progress bars and summaries")

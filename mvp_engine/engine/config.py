@@ -14,7 +14,7 @@ from mvp_engine.kit.mllm.data import MLLMDataSpec, MLLMPackingAssembler, MLLMPac
 
 from .loss import REDUCTIONS
 
-ATTENTION_BACKENDS = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
+ATTENTION_BACKENDS = ("eager", "sdpa", "sdpa_varlen", "flex_attention", "flash_attention_2", "flash_attention_3")
 # The Hydra config root: conf/<recipe>.yaml is each recipe's primary config.
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 

@@ -1,7 +1,9 @@
 """Generic, model-free helpers for running packed batches through transformers models."""
 
+from . import varlen_sdpa  # noqa: F401  (registers the sdpa_varlen backend with transformers)
 from .attention import (
     FORBIDDEN_MODEL_KWARGS,
+    SDPA_VARLEN,
     attention_mask_for,
     block_causal_mask,
     check_packed_model_kwargs,
@@ -16,6 +18,8 @@ from .attention import (
     row_segments,
     segment_positions,
     segment_run_ids,
+    sub_model_attention,
+    takes_varlen_kwargs,
     validate_segment_ids,
 )
 from .inputs import (
@@ -34,6 +38,7 @@ from .inputs import (
 __all__ = [
     "FORBIDDEN_MODEL_KWARGS",
     "PACKED_BACKENDS",
+    "SDPA_VARLEN",
     "attention_mask_for",
     "block_causal_mask",
     "check_media_placement",
@@ -55,6 +60,8 @@ __all__ = [
     "row_segments",
     "segment_positions",
     "segment_run_ids",
+    "sub_model_attention",
+    "takes_varlen_kwargs",
     "text_positions",
     "unwrap_model",
     "validate_segment_ids",

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 FLASH_PREFIX = "flash_attention"
+SDPA_VARLEN = "sdpa_varlen"  # mvp_engine/packing/varlen_sdpa.py registers it with transformers
 FLEX = "flex_attention"
 # Batch fields whose names a transformers model would consume with a different meaning (first two), or that only
 # the engine reads (bookkeeping, labels: the engine computes the loss from the logits).
@@ -162,6 +163,19 @@ def is_flash(attn_implementation: str) -> bool:
     return attn_implementation.startswith(FLASH_PREFIX)
 
 
+def takes_varlen_kwargs(attn_implementation: str) -> bool:
+    """Backends that pack through ``cu_seq_lens_q/k`` + ``max_length_q/k`` and no mask: flash and sdpa_varlen."""
+    return is_flash(attn_implementation) or attn_implementation == SDPA_VARLEN
+
+
+def sub_model_attention(attn_implementation: str, vision_shares: tuple[str, ...] = ("eager", "sdpa")) -> dict[str, str]:
+    """Backend per sub-model: the language model runs ``attn_implementation``; the vision tower runs it too when it
+    is in ``vision_shares``, else sdpa (varlen kwargs meant for the language model must never be read by a vision
+    tower as its own boundaries, and flex would only add compilation there)."""
+    vision = attn_implementation if attn_implementation in vision_shares else "sdpa"
+    return {"": attn_implementation, "text_config": attn_implementation, "vision_config": vision}
+
+
 # ------------------------------------------------------------------------------------------------------- guards
 
 
@@ -214,8 +228,8 @@ def ensure_mask_fits(attention_mask, attn_implementation: str) -> None:
             "packed forward must not get a 2-D attention_mask: it disables transformers' packed detection and "
             "makes flash attention ignore cu_seq_lens, so samples attend to each other"
         )
-    if is_flash(attn_implementation):
-        raise ValueError("flash attention packs through cu_seq_lens_q/k; pass no attention_mask")
+    if takes_varlen_kwargs(attn_implementation):
+        raise ValueError(f"{attn_implementation} packs through cu_seq_lens_q/k; pass no attention_mask")
     if attention_mask.dim() != 4:
         raise ValueError(f"attention_mask must be 4-D (B, 1, L, L) for packing, got {tuple(attention_mask.shape)}")
     if attn_implementation == "eager" and attention_mask.dtype == torch.bool:
@@ -248,10 +262,10 @@ def check_packed_model_kwargs(
     ensure_position_rows(kwargs.get("position_ids"), position_rows)
     ensure_mask_fits(kwargs.get("attention_mask"), attn_implementation)
     ensure_no_batch_fields(kwargs)
-    if is_flash(attn_implementation):
+    if takes_varlen_kwargs(attn_implementation):
         missing = [k for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k") if k not in kwargs]
         if missing:
-            raise ValueError(f"packed flash-attention forward is missing {missing}")
+            raise ValueError(f"packed {attn_implementation} forward is missing {missing}")
     elif explicit_mask and kwargs.get("attention_mask") is None:
         raise ValueError(f"packed {attn_implementation} forward needs an explicit 4-D block-causal attention_mask "
                          f"(a BlockMask for {FLEX})")

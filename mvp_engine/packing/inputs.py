@@ -24,12 +24,12 @@ from .attention import (
     check_packed_model_kwargs,
     ensure_no_batch_fields,
     flash_varlen_kwargs,
-    is_flash,
     segment_positions,
+    takes_varlen_kwargs,
     validate_segment_ids,
 )
 
-PACKED_BACKENDS = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
+PACKED_BACKENDS = ("eager", "sdpa", "sdpa_varlen", "flex_attention", "flash_attention_2", "flash_attention_3")
 
 
 def unwrap_model(model):
@@ -106,7 +106,7 @@ def check_media_placement(batch: Mapping[str, Any], placeholder: torch.Tensor,
 def packed_attention_kwargs(batch: Mapping[str, Any], attn_implementation: str, dtype: torch.dtype) -> dict:
     """The backend's attention inputs for a packed batch, all derived from ``pack_segment_ids``."""
     segment_ids = batch["pack_segment_ids"]
-    if is_flash(attn_implementation):
+    if takes_varlen_kwargs(attn_implementation):
         varlen = flash_varlen_kwargs(segment_ids)
         given = batch.get("cu_seqlens")
         if given is not None and not torch.equal(given.to(torch.int32).cpu(), varlen["cu_seq_lens_q"].cpu()):

@@ -8,9 +8,10 @@ loads a ``save_pretrained`` folder (model, tokenizer, image processor). Images g
 to a square, so every image is the same number of tokens, fixed by the model config (:func:`image_token_count`).
 
 Attention: the language model runs the configured backend. The CLIP vision tower sees each image alone, without a
-mask, and runs sdpa whenever the language model runs flex_attention or flash: LLaVA's ``get_image_features`` hands
-*every* extra forward kwarg to the vision tower, so on flash it would take the language model's ``cu_seq_lens_q/k``
-as its own sequence boundaries, and on flex it would only add compilation for no gain.
+mask, and runs sdpa whenever the language model runs flex_attention, sdpa_varlen or flash: LLaVA's
+``get_image_features`` hands *every* extra forward kwarg to the vision tower, so on flash or sdpa_varlen it would
+take the language model's ``cu_seq_lens_q/k`` as its own sequence boundaries, and on flex it would only add
+compilation for no gain.
 """
 
 from __future__ import annotations
@@ -23,12 +24,12 @@ from transformers import LlavaConfig, LlavaForConditionalGeneration, PreTrainedT
 from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
 from mvp_engine.engine.builders import ProcessorBundle, build_hf_model, build_processor_bundle, to_plain
+from mvp_engine.packing import sub_model_attention
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TOKENIZER_DIR = REPO_ROOT / "assets" / "tokenizers" / "llava"
 
 IMAGE_TOKEN = "<image>"
-VISION_ONLY_SDPA = ("flex_attention", "flash_attention_2", "flash_attention_3")
 
 
 @dataclass
@@ -92,18 +93,11 @@ def tiny_config(model_cfg: Mapping, tokenizer: PreTrainedTokenizerBase) -> Llava
     return config
 
 
-def attention_implementations(attn_implementation: str) -> dict[str, str]:
-    """The backend per sub-model: the language model runs ``attn_implementation``; the vision tower runs it too
-    for eager/sdpa and sdpa for flex/flash (see the module docstring)."""
-    vision = "sdpa" if attn_implementation in VISION_ONLY_SDPA else attn_implementation
-    return {"": attn_implementation, "text_config": attn_implementation, "vision_config": vision}
-
-
 def build_model(model_cfg: Mapping | None, attn_implementation: str = "sdpa") -> LlavaForConditionalGeneration:
     """The LLaVA model: ``from_pretrained(model_cfg.pretrained)`` or a tiny seeded random init.
 
     Keys read: ``pretrained``, ``tokenizer_dir``, ``config`` (``text_config``, ``vision_config``, top-level
     LlavaConfig fields), ``seed`` (default 0), ``dtype`` (default float32).
     """
-    return build_hf_model(LlavaForConditionalGeneration, model_cfg, attention_implementations(attn_implementation),
+    return build_hf_model(LlavaForConditionalGeneration, model_cfg, sub_model_attention(attn_implementation),
                           tiny_config, DEFAULT_TOKENIZER_DIR)

@@ -3,10 +3,10 @@
 LLaVA is the plain case: the Llama language model takes 1-D ``position_ids`` (B, L), restarting at every segment,
 and the images are stacked ``pixel_values`` [N, C, H, W] whose features fill the ``<image>`` placeholders in the
 order of the flattened batch. Everything else (backend check, the mask per backend: a 4-D block-causal mask for
-eager/sdpa, a ``BlockMask`` for flex_attention, ``cu_seq_lens_q/k`` for flash; guards) is the engine's
+eager/sdpa, a ``BlockMask`` for flex_attention, ``cu_seq_lens_q/k`` for flash and sdpa_varlen; guards) is the engine's
 ``mvp_engine.packing.inputs``. ``create_causal_mask`` passes a ready 4-D mask or ``BlockMask`` through unchanged.
 
-The flash path relies on the vision tower not running flash (``model.attention_implementations``): LLaVA gives
+The flash path relies on the vision tower not running flash (``mvp_engine.packing.sub_model_attention``): LLaVA gives
 the vision tower every extra kwarg, so the language model's ``cu_seq_lens_q/k`` reach it too; a guard refuses a
 model whose vision tower runs flash.
 """
@@ -19,16 +19,16 @@ import torch
 
 from mvp_engine.packing import (
     check_media_placement,
-    is_flash,
     prepare_packed_inputs,
     prepare_padded_inputs,
+    takes_varlen_kwargs,
     text_positions,
     unwrap_model,
 )
 
 from .model import image_token_count
 
-ATTENTION_BACKENDS = ("eager", "sdpa", "flex_attention", "flash_attention_2")
+ATTENTION_BACKENDS = ("eager", "sdpa", "sdpa_varlen", "flex_attention", "flash_attention_2")
 
 
 def _media_kwargs(batch: dict[str, Any], model) -> dict[str, torch.Tensor]:
@@ -43,7 +43,7 @@ def _media_kwargs(batch: dict[str, Any], model) -> dict[str, torch.Tensor]:
 
 def _check_vision_backend(model, attn_implementation: str) -> None:
     vision = unwrap_model(model).config.vision_config._attn_implementation
-    if is_flash(attn_implementation) and is_flash(vision):
+    if takes_varlen_kwargs(attn_implementation) and takes_varlen_kwargs(vision):
         raise ValueError(f"the vision tower runs {vision!r}: LLaVA hands it the language model's cu_seq_lens, which "
                          "it would take as its own; build the model with recipes.llava.model.build_model")
 

@@ -19,6 +19,9 @@ from transformers import PreTrainedTokenizerBase, Qwen2VLConfig, Qwen2VLForCondi
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from mvp_engine.engine.builders import ProcessorBundle, build_hf_model, build_processor_bundle, to_plain
+from mvp_engine.packing import sub_model_attention
+
+FLASH_BACKENDS = ("flash_attention_2", "flash_attention_3")
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TOKENIZER_DIR = REPO_ROOT / "assets" / "tokenizers" / "qwen2_vl"
@@ -93,5 +96,6 @@ def build_model(model_cfg: Mapping | None, attn_implementation: str = "sdpa") ->
     Keys read: ``pretrained``, ``tokenizer_dir``, ``config`` (``text_config``, ``vision_config``, top-level
     Qwen2VLConfig fields), ``seed`` (default 0), ``dtype`` (default float32).
     """
-    return build_hf_model(Qwen2VLForConditionalGeneration, model_cfg, attn_implementation, tiny_config,
-                          DEFAULT_TOKENIZER_DIR)
+    # the vision tower keeps flash (it passes its own cu_seqlens; transformers keeps the language model's away)
+    attention = sub_model_attention(attn_implementation, vision_shares=("eager", "sdpa", *FLASH_BACKENDS))
+    return build_hf_model(Qwen2VLForConditionalGeneration, model_cfg, attention, tiny_config, DEFAULT_TOKENIZER_DIR)

@@ -41,7 +41,7 @@ from mvp_engine.packing import (
 )
 
 # flex_attention is refused by transformers 5.24 for Qwen2-VL at load time.
-ATTENTION_BACKENDS = ("eager", "sdpa", "flash_attention_2")
+ATTENTION_BACKENDS = ("eager", "sdpa", "sdpa_varlen", "flash_attention_2")
 
 
 def mm_token_type_ids(input_ids: torch.Tensor, config) -> torch.Tensor:

@@ -1,0 +1,73 @@
+"""``sdpa_varlen``: packed attention at the cost of the samples, not of the row, on any device torch sdpa runs on.
+
+Why: eager/sdpa pack through a dense (B, 1, L, L) block-causal mask, so a packed row still pays L^2 attention
+although only the sum of squared segment lengths is useful work; flash-attention's varlen kernels avoid that but
+need CUDA. This backend takes the same kwargs as flash (``cu_seq_lens_q/k`` over the flattened B*L tokens, no
+``attention_mask``) and runs causal torch sdpa on each span. It is registered with transformers'
+``AttentionInterface`` (and flash's mask function, so no dense mask is ever built) when this package is imported;
+``build_model(..., "sdpa_varlen")`` then selects it like any built-in backend. Measured in ``tools/bench_train.py``.
+
+Without ``cu_seq_lens`` (the unpacked baseline) each row is one span, cut at the end of its 2-D padding mask
+(right padding, as the collator produces).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
+
+SDPA_VARLEN = "sdpa_varlen"
+
+
+def _spans_from_padding_mask(attention_mask: torch.Tensor | None, batch: int, length: int) -> list[tuple[int, int]]:
+    """One span per row over its real tokens (plus one for its padding run) of the flattened batch."""
+    if attention_mask is None:
+        return [(row * length, (row + 1) * length) for row in range(batch)]
+    if attention_mask.dim() != 2:
+        raise ValueError(f"{SDPA_VARLEN} takes cu_seq_lens_q/k or a 2-D padding mask, got a "
+                         f"{attention_mask.dim()}-D attention_mask")
+    real = attention_mask.bool()
+    lengths = real.sum(-1).tolist()
+    spans = []
+    for row, n in enumerate(lengths):
+        if not bool(real[row, :n].all()):
+            raise ValueError(f"{SDPA_VARLEN} needs right padding (row {row} has padding before real tokens)")
+        start = row * length
+        spans += [(start, start + n)] if n == length else [(start, start + n), (start + n, start + length)]
+    return [(a, b) for a, b in spans if b > a]
+
+
+def sdpa_varlen_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                          is_causal=None, cu_seq_lens_q=None, cu_seq_lens_k=None, **kwargs):
+    """Causal sdpa inside each span of the flattened (B*L) tokens; returns (B, L, H, D) like transformers' kernels."""
+    batch, heads, length, dim = query.shape
+    if cu_seq_lens_q is None:
+        spans = _spans_from_padding_mask(attention_mask, batch, length)
+    else:
+        if cu_seq_lens_k is not None and not torch.equal(cu_seq_lens_q, cu_seq_lens_k):
+            raise ValueError(f"{SDPA_VARLEN} is self-attention only: cu_seq_lens_q and cu_seq_lens_k differ")
+        bounds = cu_seq_lens_q.tolist()
+        if bounds[0] != 0 or bounds[-1] != batch * length:
+            raise ValueError(f"{SDPA_VARLEN}: cu_seq_lens_q must cover all {batch * length} tokens, got {bounds[0]}.."
+                             f"{bounds[-1]}")
+        spans = list(zip(bounds[:-1], bounds[1:]))
+    q, k, v = (t.transpose(0, 1).reshape(t.shape[1], batch * length, dim) for t in (query, key, value))
+    gqa = k.shape[0] != q.shape[0]
+    causal = module.is_causal if is_causal is None else is_causal
+    out = torch.cat([
+        F.scaled_dot_product_attention(q[:, a:b], k[:, a:b], v[:, a:b], is_causal=bool(causal), scale=scaling,
+                                       dropout_p=dropout, enable_gqa=gqa)
+        for a, b in spans
+    ], dim=1)
+    return out.reshape(heads, batch, length, dim).permute(1, 2, 0, 3).contiguous(), None
+
+
+def register() -> None:
+    """Make ``attn_implementation="sdpa_varlen"`` known to transformers (idempotent)."""
+    AttentionInterface.register(SDPA_VARLEN, sdpa_varlen_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(SDPA_VARLEN, flash_attention_mask)
+
+
+register()
