@@ -32,7 +32,6 @@ from .testkit.equivalence import (
     collate_rows,
     equivalence_case,
     run_equivalence,
-    varlen_reference_attention,
 )
 from .testkit.records import assistant, demo_like_records, image, system, text, user, varied_records, write_image
 from .testkit.smoke import check_smoke_summary, smoke_run
@@ -81,6 +80,5 @@ __all__ = [
     "text",
     "user",
     "varied_records",
-    "varlen_reference_attention",
     "write_image",
 ]

@@ -13,7 +13,7 @@ Compared, in fp32 on CPU for eager / sdpa / flex_attention (flash: CUDA and bf16
   FlexAttention has no CPU backward).
 
 ``check_flash_kwargs_with_reference_attention`` covers the flash path on CPU: the kwargs ``prepare_packed`` builds
-for flash go through the model into a registered varlen reference attention and must give one-by-one logits.
+for flash go through the model into the sdpa_varlen backend (same kwargs) and must give one-by-one logits.
 """
 
 from __future__ import annotations
@@ -25,10 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from mvp_engine.kit.mllm.data import MLLMCollator, MLLMPack, MLLMSample
-from mvp_engine.packing import is_flash, row_segments
+from mvp_engine.packing import SDPA_VARLEN, is_flash, row_segments
 
 from ..loss import weighted_token_loss
 from ..recipe import Recipe
@@ -212,28 +211,6 @@ def run_equivalence(case: EquivalenceCase, backend: str, *, prepare_packed: Call
 # --------------------------------------------------------------------------------------- flash kwargs, on CPU
 
 
-def varlen_reference_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, is_causal=None,
-                               cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None, **kwargs):
-    """A CPU stand-in for flash-attention varlen: causal attention within each ``cu_seq_lens_q`` span of the
-    flattened (B*L) tokens; plain sdpa when no spans are given."""
-    n_rep = query.shape[1] // key.shape[1]
-    key, value = key.repeat_interleave(n_rep, 1), value.repeat_interleave(n_rep, 1)
-    if cu_seq_lens_q is None:
-        causal = module.is_causal if is_causal is None else is_causal
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
-                                             is_causal=bool(causal) and attention_mask is None, scale=scaling)
-    else:
-        assert attention_mask is None and torch.equal(cu_seq_lens_q, cu_seq_lens_k)
-        batch, heads, length, dim = query.shape
-        q, k, v = (t.transpose(0, 1).reshape(heads, batch * length, dim) for t in (query, key, value))
-        bounds = cu_seq_lens_q.tolist()
-        assert max_length_q == max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
-        out = torch.cat([F.scaled_dot_product_attention(q[:, a:b], k[:, a:b], v[:, a:b], is_causal=True,
-                                                        scale=scaling) for a, b in zip(bounds[:-1], bounds[1:])], 1)
-        out = out.reshape(heads, batch, length, dim).transpose(0, 1)
-    return out.transpose(1, 2).contiguous(), None
-
-
 @contextmanager
 def language_model_reads(model, attn_implementation: str):
     """Make the model *say* its language model runs ``attn_implementation`` (what ``prepare_packed`` checks)."""
@@ -249,9 +226,8 @@ def language_model_reads(model, attn_implementation: str):
 def check_flash_kwargs_with_reference_attention(case: EquivalenceCase, backend: str = "flash_attention_2",
                                                 tol: float = TOL) -> float:
     """The flash path needs CUDA; on CPU its kwargs (varlen over the flattened batch, no attention_mask) go through
-    the model, whose language model runs a registered varlen reference attention (the vision tower keeps sdpa,
-    which ignores varlen kwargs), and must reproduce one-by-one logits. Returns the max logit difference."""
-    from transformers import AttentionInterface
+    the model, whose language model runs ``sdpa_varlen`` (the same varlen kwargs, computed by torch sdpa per span;
+    the vision tower keeps sdpa), and must reproduce one-by-one logits. Returns the max logit difference."""
 
     model = case.recipe.build_model(case.model_cfg, "sdpa").eval()
     with language_model_reads(model, backend):
@@ -260,11 +236,10 @@ def check_flash_kwargs_with_reference_attention(case: EquivalenceCase, backend: 
     assert torch.equal(kwargs["cu_seq_lens_q"], case.batch["cu_seqlens"].to(torch.int32))
     assert kwargs["max_length_q"] == case.batch["max_seqlen"]
 
-    AttentionInterface.register("varlen_reference", varlen_reference_attention)
     with torch.no_grad():
         references = [model(**case.recipe.prepare_padded(case.alone(s), model, "sdpa")).logits[0]
                       for *_, s in case.segments()]
-        model.set_attn_implementation({"text_config": "varlen_reference"})
+        model.set_attn_implementation({"text_config": SDPA_VARLEN})
         logits = model(**kwargs).logits
     worst = max((logits[row, start:end] - ref).abs().max().item()
                 for (row, start, end, _), ref in zip(case.segments(), references))

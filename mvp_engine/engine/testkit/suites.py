@@ -56,7 +56,7 @@ class SmokeSuite(RecipeSuite):
 
 class EquivalenceSuite(RecipeSuite):
     """Packed == one-by-one for every backend the recipe declares (skipped, with the reason, where this machine
-    cannot run it); the flash kwargs through a CPU varlen reference attention."""
+    cannot run it); the flash kwargs through sdpa_varlen on CPU."""
 
     def pytest_generate_tests(self, metafunc):
         if "backend" in metafunc.fixturenames:
@@ -76,7 +76,7 @@ class EquivalenceSuite(RecipeSuite):
         print("\n".join(report.lines()))
         report.check()
 
-    def test_flash_kwargs_through_varlen_reference(self, case):
+    def test_flash_kwargs_through_sdpa_varlen(self, case):
         if "flash_attention_2" not in case.recipe.attention_backends:
             pytest.skip(f"{self.recipe} offers no flash attention")
         kit.check_flash_kwargs_with_reference_attention(case)
