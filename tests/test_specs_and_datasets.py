@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from mvp_engine.kit.mllm.data import (
     MLLMCollator,
@@ -128,3 +129,28 @@ def test_measure_encode_mismatch_names_the_record():
 def test_empty_sources_are_a_clear_error():
     with pytest.raises(ValueError, match="data.sources is empty"):
         MLLMDataKit.build_dataset(MLLMDataSpec(), FakeEncoder())
+
+
+def test_dataloader_workers_reproduce_single_process_batches():
+    records = [fake_record(i, 3 + i % 7) for i in range(60)]
+    spec = MLLMDataSpec(packing=MLLMPackingSpec(max_seq_len=16, strategy="greedy", buffer_size=8), seed=2)
+
+    def batches(workers):
+        dataset = MLLMDataKit.build_dataset(spec, FakeEncoder(), records=records)
+        dataset.worker_batch_size = 3
+        loader = torch.utils.data.DataLoader(dataset, batch_size=3, num_workers=workers,
+                                             collate_fn=MLLMCollator(pad_token_id=0))
+        return [batch["sample_ids"] for batch in loader]
+
+    single = batches(0)
+    assert batches(2) == single
+    assert len(single) == -(-len(MLLMDataKit.build_dataset(spec, FakeEncoder(), records=records)) // 3)
+
+
+def test_new_epoch_starts_at_its_first_pack():
+    records = [fake_record(i, 4) for i in range(20)]
+    spec = MLLMDataSpec(packing=MLLMPackingSpec(max_seq_len=8, strategy="greedy"))
+    dataset = MLLMDataKit.build_dataset(spec, FakeEncoder(), records=records)
+    next(iter(dataset))
+    dataset.set_epoch(1)
+    assert len(list(dataset)) == len(dataset.rank_packs())

@@ -150,6 +150,12 @@ class MLLMStreamingPackedDataset(_PackedDatasetBase, IterableDataset):
                 yield self.encode_pack(packs[k])
         self.packs_consumed = 0
 
+    def set_epoch(self, epoch: int) -> None:
+        """A new epoch starts at its first pack; ``load_state_dict`` is how to start mid-epoch."""
+        if epoch != self.epoch:
+            self.packs_consumed = 0
+        super().set_epoch(epoch)
+
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "packs_consumed": self.packs_consumed}
 
