@@ -9,12 +9,15 @@ from pathlib import Path
 import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
+from transformers import SchedulerType
 
 from mvp_engine.kit.mllm.data import MLLMDataSpec, MLLMPackingAssembler, MLLMPackingSpec
 
+from . import run_dir  # noqa: F401  (registers the ${run_stamp:...} resolver the configs use)
 from .loss import REDUCTIONS
 
 ATTENTION_BACKENDS = ("eager", "sdpa", "sdpa_varlen", "flex_attention", "flash_attention_2", "flash_attention_3")
+MIXED_PRECISION = ("no", "bf16", "fp16")
 # The Hydra config root: conf/<recipe>.yaml is each recipe's primary config.
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
@@ -43,11 +46,17 @@ class TrainSpec:
     log_every: int = 1
     mixed_precision: str = "no"
     output_dir: str | None = None  # None: outputs/run (Hydra runs fill in their run directory)
+    save_every_steps: int = 0  # 0: no periodic checkpoint (a SIGTERM still saves one)
+    keep_last: int = 2  # complete checkpoints kept; older ones are deleted only after a newer one is complete
+    resume_from: str | None = None  # null: start fresh; auto: the newest checkpoint in the run directory; or a path
 
     def __post_init__(self) -> None:
-        for name in ("epochs", "micro_batch_size", "gradient_accumulation_steps", "log_every"):
+        for name in ("epochs", "micro_batch_size", "gradient_accumulation_steps", "log_every", "keep_last"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"train.{name}={getattr(self, name)!r} is invalid: allowed an int >= 1")
+        for name in ("num_workers", "save_every_steps", "seed"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ConfigError(f"train.{name}={getattr(self, name)!r} is invalid: allowed an int >= 0")
         if self.loss_reduction not in REDUCTIONS:
             raise ConfigError(f"train.loss_reduction={self.loss_reduction!r} is invalid: allowed one of "
                               f"{list(REDUCTIONS)}")
@@ -55,8 +64,24 @@ class TrainSpec:
             raise ConfigError(f"train.learning_rate={self.learning_rate!r} is invalid: allowed a float > 0")
         if not 0 <= self.warmup_ratio < 1:
             raise ConfigError(f"train.warmup_ratio={self.warmup_ratio!r} is invalid: allowed [0, 1)")
-        if self.num_workers < 0:
-            raise ConfigError(f"train.num_workers={self.num_workers!r} is invalid: allowed an int >= 0")
+        if not self.weight_decay >= 0:
+            raise ConfigError(f"train.weight_decay={self.weight_decay!r} is invalid: allowed a float >= 0")
+        if not self.max_grad_norm > 0:
+            raise ConfigError(f"train.max_grad_norm={self.max_grad_norm!r} is invalid: allowed a float > 0")
+        if self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 1:
+            raise ConfigError(f"train.pad_to_multiple_of={self.pad_to_multiple_of!r} is invalid: allowed null or "
+                              "an int >= 1")
+        schedulers = [kind.value for kind in SchedulerType]
+        if self.lr_scheduler not in schedulers:
+            raise ConfigError(f"train.lr_scheduler={self.lr_scheduler!r} is invalid: allowed one of {schedulers}")
+        if self.mixed_precision not in MIXED_PRECISION:
+            raise ConfigError(f"train.mixed_precision={self.mixed_precision!r} is invalid: allowed one of "
+                              f"{list(MIXED_PRECISION)}")
+        if self.mixed_precision == "fp16" and not torch.cuda.is_available():
+            raise ConfigError("train.mixed_precision='fp16' needs a CUDA GPU: use 'bf16' or 'no' on the CPU")
+        if self.resume_from not in (None, "auto") and not Path(self.resume_from).is_dir():
+            raise ConfigError(f"train.resume_from={self.resume_from!r} is invalid: allowed null, 'auto' or a "
+                              "checkpoint directory")
 
 
 @dataclass

@@ -13,6 +13,11 @@ from omegaconf import DictConfig
 from mvp_engine.kit.mllm.data import MLLMSampleEncoder
 
 
+def no_unreachable_parameters(model) -> list[str]:
+    """The default: every parameter takes part in some forward."""
+    return []
+
+
 @dataclass(frozen=True)
 class Recipe:
     """A model family's hooks.
@@ -20,6 +25,10 @@ class Recipe:
     ``prepare_packed(batch, model, attn_implementation)`` turns a collated packed batch into model kwargs for
     the backend (masks, positions, cu_seqlens, ``use_cache=False``); ``prepare_padded`` does the same for the
     unpacked baseline. Both return kwargs without labels: the engine computes the loss from the logits.
+
+    ``dummy_media(model)`` gives the kwargs of ``model.get_image_features`` for one tiny image, which the engine
+    runs zero-weighted on micro-batches without media; ``unreachable_parameters(model)`` names parameters no
+    forward can reach, which the engine freezes (both: ``mvp_engine.engine.participation``).
     """
 
     name: str
@@ -29,6 +38,8 @@ class Recipe:
     pad_token_id: Callable[[Any], int]
     prepare_packed: Callable[[dict, Any, str], dict]
     prepare_padded: Callable[[dict, Any, str], dict]
+    dummy_media: Callable[[Any], dict]
+    unreachable_parameters: Callable[[Any], list[str]] = no_unreachable_parameters
     attention_backends: tuple[str, ...] = ("eager", "sdpa", "flash_attention_2")
 
     @classmethod
@@ -36,7 +47,8 @@ class Recipe:
                      encoder: Callable[[Any], MLLMSampleEncoder]) -> Recipe:
         """The recipe of a ``recipes/<name>`` laid out the usual way: ``model.build_processor`` /
         ``model.build_model``, ``packed.prepare_packed`` / ``packed.prepare_padded`` /
-        ``packed.ATTENTION_BACKENDS``, the processor's ``pad_token_id``, and the encoder class."""
+        ``packed.ATTENTION_BACKENDS``, ``model.dummy_media`` / ``model.unreachable_parameters`` (optional), the
+        processor's ``pad_token_id``, and the encoder class."""
         return cls(
             name=name,
             build_processor=model.build_processor,
@@ -45,5 +57,7 @@ class Recipe:
             pad_token_id=attrgetter("pad_token_id"),
             prepare_packed=packed.prepare_packed,
             prepare_padded=packed.prepare_padded,
+            dummy_media=model.dummy_media,
+            unreachable_parameters=getattr(model, "unreachable_parameters", no_unreachable_parameters),
             attention_backends=tuple(packed.ATTENTION_BACKENDS),
         )

@@ -5,14 +5,12 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections import Counter
 from contextlib import nullcontext
 from pathlib import Path
 
 import hydra
 import torch
-from accelerate import Accelerator
-from accelerate.utils import send_to_device, set_seed
+from accelerate.utils import gather_object, send_to_device, set_seed
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
@@ -20,9 +18,14 @@ from transformers import get_scheduler
 
 from mvp_engine.kit.mllm.data import MLLMCollator, MLLMDataKit, TokenAccounting
 from mvp_engine.kit.mllm.data.demo import write_demo_dataset
+from mvp_engine.kit.mllm.data.steps import micro_batches_per_rank
 
+from .checkpoint import Checkpointer, RunState, load_run_state, resolve_resume
 from .config import CONF_DIR, ConfigError, RunSpecs, resolve_run_specs
+from .launch import build_accelerator, describe_processes
 from .loss import token_weights, weighted_token_loss
+from .participation import dummy_media_loss, freeze_parameters, has_media
+from .preemption import PreemptionWatch, ignore_stop_signals
 from .recipe import Recipe
 
 
@@ -46,12 +49,16 @@ class Trainer:
         self.specs: RunSpecs = resolve_run_specs(cfg, recipe.attention_backends)
         self.cfg = cfg
         train = self.specs.train
-        self.accelerator = Accelerator(mixed_precision=train.mixed_precision)
+        self.accelerator = build_accelerator(train.mixed_precision)
         set_seed(train.seed)
         self.output_dir = Path(train.output_dir or "outputs/run")
+        self.resume_from = resolve_resume(train.resume_from, self.output_dir)
         self.processor = recipe.build_processor(cfg.model)
         self.encoder = recipe.build_encoder(self.processor)
         self.model = recipe.build_model(cfg.model, self.specs.attention)
+        self.parameters = freeze_parameters(self.model, cfg.model.get("freeze") or [],
+                                            recipe.unreachable_parameters(self.model))
+        self.dummy_media = recipe.dummy_media(self.model)
         data = self.specs.data
         if not data.sources:
             demo = self.specs.demo
@@ -67,23 +74,34 @@ class Trainer:
 
     def _optimizer_and_schedule(self):
         train = self.specs.train
-        optimizer = torch.optim.AdamW(self.model.parameters(), lr=train.learning_rate,
-                                      weight_decay=train.weight_decay)
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trainable, lr=train.learning_rate, weight_decay=train.weight_decay)
         scheduler = get_scheduler(train.lr_scheduler, optimizer,
                                   num_warmup_steps=math.ceil(train.warmup_ratio * self.total_steps),
                                   num_training_steps=max(1, self.total_steps))
         return optimizer, scheduler
 
-    def _loader(self, epoch: int) -> DataLoader:
+    def _epoch_micro_batches(self, epoch: int) -> int:
+        train = self.specs.train
+        return micro_batches_per_rank(len(self.dataset.plan(epoch).packs), train.micro_batch_size,
+                                      self.accelerator.num_processes, train.drop_last)
+
+    def _loader(self, epoch: int, micro_batches_done: int) -> DataLoader:
         self.dataset.set_epoch(epoch)
         train = self.specs.train
         if hasattr(self.dataset, "worker_batch_size"):
             self.dataset.worker_batch_size = train.micro_batch_size
-        return DataLoader(self.dataset, batch_size=train.micro_batch_size, collate_fn=self.collator,
-                          drop_last=train.drop_last, num_workers=train.num_workers)
+        dataset = self.dataset.starting_at(micro_batches_done * train.micro_batch_size)
+        return DataLoader(dataset, batch_size=train.micro_batch_size, collate_fn=self.collator,
+                          drop_last=train.drop_last, num_workers=train.num_workers,
+                          worker_init_fn=ignore_stop_signals if train.num_workers else None)
 
     def _train_step(self, group: list[dict], model, optimizer, scheduler) -> tuple[float, float]:
-        """One optimizer step over ``group``; the denominator covers every micro-batch on every rank."""
+        """One optimizer step over ``group``; the denominator covers every micro-batch on every rank.
+
+        The scheduler is stepped here, once per optimizer step (it is not handed to ``accelerator.prepare``, whose
+        wrapper would step it once per process), so the schedule is the same on 1 rank and on N.
+        """
         reduction = self.specs.train.loss_reduction
         local = sum(token_weights(b["labels"], b["pack_segment_ids"], reduction).sum() for b in group)
         total = self.accelerator.reduce(torch.as_tensor(local, device=self.accelerator.device, dtype=torch.float64),
@@ -98,6 +116,8 @@ class Trainer:
                 outputs = model(**self.prepare(batch, model, self.specs.attention))
                 part = weighted_token_loss(outputs.logits, batch["labels"], batch["pack_segment_ids"], reduction)
                 loss = part.weighted_sum / denominator * self.accelerator.num_processes
+                if not has_media(batch):
+                    loss = loss + dummy_media_loss(model, self.dummy_media)
                 self.accelerator.backward(loss)
             step_loss += float(part.weighted_sum.detach()) / float(denominator)
         grad_norm = self.accelerator.clip_grad_norm_(model.parameters(), self.specs.train.max_grad_norm)
@@ -108,33 +128,71 @@ class Trainer:
                                                   reduction="sum"))
         return step_loss, float(grad_norm)
 
+    def _start_state(self, checkpointer: Checkpointer) -> RunState:
+        train = self.specs.train
+        shape = (self.accelerator.num_processes, train.micro_batch_size, train.gradient_accumulation_steps)
+        if self.resume_from is None:
+            return RunState(world_size=shape[0], micro_batch_size=shape[1], gradient_accumulation_steps=shape[2])
+        load_run_state(self.resume_from).check_shape(*shape, source=self.resume_from)
+        state = checkpointer.load(self.resume_from)
+        if self.accelerator.is_main_process:
+            print(f"resumed from {self.resume_from}: step {state.step}, epoch {state.epoch}, "
+                  f"{state.micro_batches_done} micro-batches into it")
+        return state
+
+    def _open_metrics(self, state: RunState):
+        """``metrics.jsonl`` keeps the lines up to the resumed step (a killed run may have logged past its last
+        checkpoint) and is line-buffered, so a kill loses nothing already trained."""
+        path = self.output_dir / "metrics.jsonl"
+        kept = []
+        if state.step and path.is_file():
+            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= state.step]
+        handle = open(path, "w", buffering=1)
+        handle.writelines(line + "\n" for line in kept)
+        return handle
+
     def run(self) -> dict:
         train = self.specs.train
+        main = self.accelerator.is_main_process
+        if main:
+            print(describe_processes(self.accelerator))
+            print(self.parameters.describe())
         optimizer, scheduler = self._optimizer_and_schedule()
-        model, optimizer, scheduler = self.accelerator.prepare(self.model, optimizer, scheduler)
+        model, optimizer = self.accelerator.prepare(self.model, optimizer)
+        self.accelerator.register_for_checkpointing(scheduler)
         model.train()
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        main = self.accelerator.is_main_process
-        totals = TokenAccounting()
-        dropped = Counter()
-        losses: list[float] = []
-        steps = 0
+        checkpointer = Checkpointer(self.accelerator, self.output_dir, train.keep_last)
+        state = self._start_state(checkpointer)
+        totals = state.accounting()
+        local_steps = 0
+        stopped_by = None
         started = time.perf_counter()
-        progress = tqdm(total=self.total_steps, disable=not main, desc=f"{self.recipe.name} train")
-        with open(self.output_dir / "metrics.jsonl", "w") as metrics:
-            for epoch in range(train.epochs):
-                dropped.update(self.dataset.plan(epoch).drop_counts)
-                for group in step_groups(self._loader(epoch), train.gradient_accumulation_steps):
+        progress = tqdm(total=self.total_steps, initial=state.step, disable=not main, desc=f"{self.recipe.name} train")
+        metrics = self._open_metrics(state) if main else nullcontext()
+        with metrics, PreemptionWatch(self.accelerator) as preemption:
+            while state.epoch < train.epochs and stopped_by is None:
+                epoch = state.epoch
+                if state.micro_batches_done == 0:  # drops are counted once, when an epoch starts
+                    totals.dropped.update(self.dataset.plan(epoch).drop_counts)
+                    left_out = self.dataset.samples_left_out_by_drop_last(train.micro_batch_size, epoch)
+                    if left_out:
+                        totals.dropped["drop_last"] += left_out
+                epoch_micro_batches = self._epoch_micro_batches(epoch)
+                loader = self._loader(epoch, state.micro_batches_done)
+                for group in step_groups(loader, train.gradient_accumulation_steps):
                     step_start = time.perf_counter()
+                    lr = scheduler.get_last_lr()[0]  # the rate this step trains at
                     loss, grad_norm = self._train_step(group, model, optimizer, scheduler)
                     seconds = time.perf_counter() - step_start
                     local = sum((TokenAccounting.from_batch(b) for b in group), TokenAccounting())
                     step_counts = TokenAccounting.from_tensor(self.accelerator.reduce(
                         local.as_tensor().to(self.accelerator.device), reduction="sum").cpu())
                     totals = totals + step_counts
-                    steps += 1
-                    losses.append(loss)
-                    record = {"step": steps, "epoch": epoch, "loss": loss, "lr": scheduler.get_last_lr()[0],
+                    local_steps += 1
+                    state.record(loss, totals)
+                    state.advance(len(group), epoch_micro_batches)
+                    record = {"step": state.step, "epoch": epoch, "loss": loss, "lr": lr,
                               "grad_norm": grad_norm, "effective_tokens": step_counts.effective,
                               "supervised_tokens": step_counts.supervised, "samples": step_counts.samples,
                               "packs": step_counts.packs, "padding_ratio": step_counts.padding_ratio,
@@ -143,28 +201,45 @@ class Trainer:
                         metrics.write(json.dumps(record) + "\n")
                         progress.update(1)
                         progress.set_postfix(loss=f"{loss:.3f}")
-                        if steps % train.log_every == 0:
+                        if state.step % train.log_every == 0:
                             progress.write(
-                                f"step {steps}/{self.total_steps} epoch {epoch} loss {loss:.4f} "
-                                f"lr {record['lr']:.2e} tokens {step_counts.effective} "
+                                f"step {state.step}/{self.total_steps} epoch {epoch} loss {loss:.4f} "
+                                f"lr {lr:.2e} tokens {step_counts.effective} "
                                 f"supervised {step_counts.supervised} samples {step_counts.samples} "
                                 f"padding {step_counts.padding_ratio:.1%} tok/s {record['tokens_per_s']:.0f}")
+                    if preemption.agreed_stop():
+                        stopped_by = "SIGTERM"
+                    if stopped_by or train.save_every_steps and state.step % train.save_every_steps == 0:
+                        saved = checkpointer.save(state)
+                        if main:
+                            progress.write(f"checkpoint: {saved}")
+                    if stopped_by:
+                        break
         progress.close()
-        totals.dropped = dropped
-        summary = self._summary(totals, losses, steps, time.perf_counter() - started)
-        if main:
+        summary = self._summary(state, totals, gather_object([local_steps]), time.perf_counter() - started)
+        summary["stopped_by"] = stopped_by
+        if stopped_by is None:
             self._save(model, summary)
+        elif main:
+            self._write_summary(summary)
+            print(f"stopped by {stopped_by} after step {state.step}; resume with train.resume_from=auto "
+                  f"(run directory {self.output_dir})")
         return summary
 
-    def _summary(self, totals: TokenAccounting, losses: list[float], steps: int, seconds: float) -> dict:
+    def _summary(self, state: RunState, totals: TokenAccounting, steps_per_rank: list[int], seconds: float) -> dict:
+        losses = state.losses
         head = losses[: max(1, len(losses) // 10)]
         tail = losses[-max(1, len(losses) // 10):]
         return {
             "recipe": self.recipe.name,
             "packing": None if not self.packed else self.specs.data.packing.strategy,
             "attention": self.specs.attention,
+            "world_size": self.accelerator.num_processes,
             "estimated_steps": self.total_steps,
-            "actual_steps": steps,
+            "actual_steps": state.step,
+            "steps_per_rank_this_session": steps_per_rank,
+            "resumed_from": None if self.resume_from is None else str(self.resume_from),
+            "parameters": self.parameters.to_dict(),
             "seconds": seconds,
             "effective_tokens_per_s": totals.effective / seconds if seconds else 0.0,
             "loss_first": head and sum(head) / len(head),
@@ -174,12 +249,18 @@ class Trainer:
             "output_dir": str(self.output_dir),
         }
 
-    def _save(self, model, summary: dict) -> None:
-        model_dir = self.output_dir / "model"
-        self.accelerator.unwrap_model(model).save_pretrained(model_dir)
-        self.processor.save_pretrained(model_dir)
+    def _write_summary(self, summary: dict) -> None:
         with open(self.output_dir / "summary.json", "w") as handle:
             json.dump(summary, handle, indent=2)
+
+    def _save(self, model, summary: dict) -> None:
+        state_dict = self.accelerator.get_state_dict(model)  # every rank takes part (FSDP gathers shards here)
+        if not self.accelerator.is_main_process:
+            return
+        model_dir = self.output_dir / "model"
+        self.accelerator.unwrap_model(model).save_pretrained(model_dir, state_dict=state_dict)
+        self.processor.save_pretrained(model_dir)
+        self._write_summary(summary)
         print(f"summary: steps {summary['actual_steps']} (estimated {summary['estimated_steps']}), loss "
               f"{summary['loss_first']:.4f} -> {summary['loss_last']:.4f}, effective tokens/s "
               f"{summary['effective_tokens_per_s']:.0f}, padding {summary['totals']['padding_ratio']:.1%}, "

@@ -20,11 +20,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from transformers import LlavaConfig, LlavaForConditionalGeneration, PreTrainedTokenizerBase
 from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
 from mvp_engine.engine.builders import ProcessorBundle, build_hf_model, build_processor_bundle, to_plain
-from mvp_engine.packing import sub_model_attention
+from mvp_engine.packing import sub_model_attention, unwrap_model
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TOKENIZER_DIR = REPO_ROOT / "assets" / "tokenizers" / "llava"
@@ -101,3 +102,23 @@ def build_model(model_cfg: Mapping | None, attn_implementation: str = "sdpa") ->
     """
     return build_hf_model(LlavaForConditionalGeneration, model_cfg, sub_model_attention(attn_implementation),
                           tiny_config, DEFAULT_TOKENIZER_DIR)
+
+
+def dummy_media(model) -> dict:
+    """``get_image_features`` kwargs for one black image at the vision tower's size; run zero-weighted on
+    image-free micro-batches."""
+    vision = unwrap_model(model).config.vision_config
+    return {"pixel_values": torch.zeros(1, vision.num_channels, vision.image_size, vision.image_size)}
+
+
+def unreachable_parameters(model) -> list[str]:
+    """The CLIP layers after ``vision_feature_layer`` and its ``post_layernorm``: LLaVA reads an earlier hidden
+    state, so no forward reaches them (the engine freezes them, or DDP would wait for their gradients)."""
+    inner = unwrap_model(model)
+    layers = inner.config.vision_feature_layer
+    depth = inner.config.vision_config.num_hidden_layers
+    # hidden_states[k] is the output of layer k - 1 (k = 0: the embeddings), so layers k.. are never read
+    used = max(k % (depth + 1) for k in (layers if isinstance(layers, (list, tuple)) else [layers]))
+    unused_prefixes = [f"encoder.layers.{i}." for i in range(used, depth)] + ["post_layernorm."]
+    return [name for name, _ in inner.named_parameters()
+            if ".vision_tower." in f".{name}" and any(p in name for p in unused_prefixes)]

@@ -15,11 +15,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from transformers import PreTrainedTokenizerBase, Qwen2VLConfig, Qwen2VLForConditionalGeneration
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from mvp_engine.engine.builders import ProcessorBundle, build_hf_model, build_processor_bundle, to_plain
-from mvp_engine.packing import sub_model_attention
+from mvp_engine.packing import sub_model_attention, unwrap_model
 
 FLASH_BACKENDS = ("flash_attention_2", "flash_attention_3")
 
@@ -99,3 +100,13 @@ def build_model(model_cfg: Mapping | None, attn_implementation: str = "sdpa") ->
     # the vision tower keeps flash (it passes its own cu_seqlens; transformers keeps the language model's away)
     attention = sub_model_attention(attn_implementation, vision_shares=("eager", "sdpa", *FLASH_BACKENDS))
     return build_hf_model(Qwen2VLForConditionalGeneration, model_cfg, attention, tiny_config, DEFAULT_TOKENIZER_DIR)
+
+
+def dummy_media(model) -> dict:
+    """``get_image_features`` kwargs for the smallest image the vision tower takes: one merged token (a
+    ``spatial_merge_size`` square of patches), zero pixels. Run zero-weighted on image-free micro-batches."""
+    vision = unwrap_model(model).config.vision_config
+    merge = vision.spatial_merge_size
+    patch_values = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+    return {"pixel_values": torch.zeros(merge * merge, patch_values),
+            "image_grid_thw": torch.tensor([[1, merge, merge]])}

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
-from torch.utils.data import Dataset, IterableDataset, get_worker_info
+from torch.utils.data import Dataset, IterableDataset, Subset, get_worker_info
 
 from .assembler import MLLMPackingAssembler, OverlongSampleError
 from .media import MLLMMediaHandler
@@ -20,7 +20,7 @@ from .pack import MLLMPack
 from .sample import MLLMRecord, MLLMSampleEncoder, SampleMeta
 from .sources import read_records
 from .spec import MLLMDataSpec
-from .steps import estimate_total_steps, packs_per_rank
+from .steps import estimate_total_steps, micro_batches_per_rank, packs_per_rank
 
 
 @dataclass
@@ -97,6 +97,16 @@ class _PackedDatasetBase:
         mine = packs[self.rank::self.world_size][:count]
         return mine + [[] for _ in range(count - len(mine))]
 
+    def samples_left_out_by_drop_last(self, micro_batch_size: int, epoch: int | None = None) -> int:
+        """Samples of the epoch that no rank trains on: with ``drop_last`` the packs past an even split across ranks
+        and those of a rank's last partial micro-batch (0 without ``drop_last``)."""
+        packs = self.plan(epoch).packs
+        served = micro_batches_per_rank(len(packs), micro_batch_size, self.world_size, self.drop_last) \
+            * micro_batch_size
+        served_packs = {k for rank in range(self.world_size)
+                        for k in range(rank, len(packs), self.world_size)[:served]}
+        return sum(len(pack) for k, pack in enumerate(packs) if k not in served_packs)
+
     def encode_pack(self, record_indices: list[int], epoch: int | None = None) -> dict:
         lengths = self.plan(epoch).lengths
         samples = []
@@ -124,6 +134,10 @@ class MLLMPackedDataset(_PackedDatasetBase, Dataset):
 
     def __getitem__(self, index: int) -> dict:
         return self.encode_pack(self.rank_packs()[index])
+
+    def starting_at(self, packs_done: int) -> Dataset:
+        """This rank's packs of the current epoch from ``packs_done`` on (a resumed run's position)."""
+        return self if packs_done == 0 else Subset(self, range(packs_done, len(self)))
 
 
 class MLLMStreamingPackedDataset(_PackedDatasetBase, IterableDataset):
@@ -155,6 +169,11 @@ class MLLMStreamingPackedDataset(_PackedDatasetBase, IterableDataset):
         if epoch != self.epoch:
             self.packs_consumed = 0
         super().set_epoch(epoch)
+
+    def starting_at(self, packs_done: int) -> MLLMStreamingPackedDataset:
+        """This rank's packs of the current epoch from ``packs_done`` on (a resumed run's position)."""
+        self.packs_consumed = packs_done
+        return self
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "packs_consumed": self.packs_consumed}

@@ -1,0 +1,44 @@
+"""Process-group set-up shared by every run: one accelerator per process, on CUDA or on the CPU.
+
+Launchers (``torchrun``, ``accelerate launch --config_file conf/accelerate/ddp.yaml``) only set environment
+variables; the process group comes from accelerate's ``PartialState``. Accelerate picks NCCL when it sees CUDA but,
+on a machine without one, falls back to a single process unless it is *told* to use the CPU (``ACCELERATE_USE_CPU``);
+asking for the CPU here whenever there is no CUDA makes the same launch command give gloo data parallelism on a CPU
+box and NCCL on a GPU box, with no extra environment variable.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from accelerate import Accelerator
+
+from .config import ConfigError
+
+
+def fsdp_requested() -> bool:
+    """``accelerate launch`` with an FSDP config exports ``ACCELERATE_USE_FSDP=true``."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true")
+
+
+def build_accelerator(mixed_precision: str) -> Accelerator:
+    """The run's accelerator: CUDA when present (NCCL under a launcher), else the CPU (gloo under a launcher).
+
+    FSDP on CPU is refused: accelerate would silently run plain DDP instead, which is not what was asked for.
+    """
+    cuda = torch.cuda.is_available()
+    if fsdp_requested() and not cuda:
+        raise ConfigError("FSDP (accelerate config distributed_type: FSDP) needs CUDA GPUs; accelerate would "
+                          "silently run plain DDP on this CPU-only machine: launch with conf/accelerate/ddp.yaml "
+                          "or torchrun instead")
+    logging.getLogger("accelerate").setLevel(logging.WARNING)  # its per-file save/load lines drown the step log
+    return Accelerator(cpu=not cuda, mixed_precision=mixed_precision)
+
+
+def describe_processes(accelerator: Accelerator) -> str:
+    """The line every run prints at start: how many processes really train, and over what."""
+    backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else "none (single process)"
+    return (f"world_size {accelerator.num_processes}, process-group backend {backend}, "
+            f"distributed_type {accelerator.distributed_type.value}, device {accelerator.device}")

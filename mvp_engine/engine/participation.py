@@ -1,0 +1,108 @@
+"""Which parameters train, and making every trainable one take part in every backward.
+
+Data parallelism (DDP without an unused-parameter search) needs every trainable parameter to receive a gradient
+on every rank at every step; so does exact equivalence between N ranks and one rank accumulating N micro-batches:
+AdamW skips a parameter whose gradient is None but applies momentum and weight decay to a zero gradient, so
+"no gradient" and "zero gradient" must never depend on how the micro-batches fell on ranks. Two rules give that:
+
+- Parameters no forward can reach (LLaVA's vision layers after ``vision_feature_layer``) are frozen at build time,
+  named by the recipe's ``unreachable_parameters`` hook, and so are those matching ``model.freeze``.
+- A micro-batch without media adds a zero-weighted pass of the media encoder over the recipe's tiny dummy input
+  (``dummy_media``), as InternVL and LLaMA-Factory do: the media parameters get an exact zero gradient, on one rank
+  as on N, and the loss and every other gradient are unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from fnmatch import fnmatch
+
+import torch
+
+from mvp_engine.packing import unwrap_model
+
+from .config import ConfigError
+
+
+@dataclass
+class ParameterReport:
+    """What trains, for the start-of-run line and ``summary.json``."""
+
+    total: int
+    trainable: int
+    frozen_by_config: list[str] = field(default_factory=list)
+    frozen_unreachable: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        line = f"parameters: {self.trainable:,} trainable of {self.total:,}"
+        if self.frozen_by_config:
+            line += f"; model.freeze froze {len(self.frozen_by_config)} tensors"
+        if self.frozen_unreachable:
+            line += (f"; froze {len(self.frozen_unreachable)} tensors no forward reaches "
+                     f"(e.g. {self.frozen_unreachable[0]})")
+        return line
+
+    def to_dict(self) -> dict:
+        return {"total": self.total, "trainable": self.trainable, "frozen_by_config": len(self.frozen_by_config),
+                "frozen_unreachable": self.frozen_unreachable}
+
+
+def _matches(name: str, pattern: str) -> bool:
+    """A pattern names a module (every parameter under it) or a parameter, with fnmatch wildcards."""
+    return fnmatch(name, pattern) or fnmatch(name, f"{pattern}.*")
+
+
+def freeze_parameters(model: torch.nn.Module, patterns, unreachable: list[str]) -> ParameterReport:
+    """Freeze ``model.freeze`` patterns and the unreachable parameters; a pattern matching nothing is an error."""
+    if isinstance(patterns, str) or not all(isinstance(p, str) for p in patterns or ()):
+        raise ConfigError(f"model.freeze={patterns!r} is invalid: allowed a list of module-name patterns")
+    names = [name for name, _ in model.named_parameters()]
+    for pattern in patterns or ():
+        if not any(_matches(name, pattern) for name in names):
+            raise ConfigError(f"model.freeze: pattern {pattern!r} matches no parameter (names look like "
+                              f"{names[0]!r})")
+    by_config, by_reach = [], []
+    for name, param in model.named_parameters():
+        if any(_matches(name, p) for p in patterns or ()):
+            by_config.append(name)
+        elif name in unreachable:
+            by_reach.append(name)
+        else:
+            continue
+        param.requires_grad_(False)
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if trainable == 0:
+        raise ConfigError("model.freeze leaves no trainable parameter")
+    return ParameterReport(total, trainable, by_config, by_reach)
+
+
+def has_media(batch: dict) -> bool:
+    return int(batch["media_tokens"].sum()) > 0
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict) or hasattr(value, "values") and callable(value.values):
+        for item in value.values():
+            yield from _tensors(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+
+
+def dummy_media_loss(model, dummy_inputs: dict) -> torch.Tensor:
+    """Zero times the media encoder's output on the dummy input: an exact zero gradient for every media parameter.
+
+    The encoder is called through the model's own ``get_image_features`` (every transformers VLM has one), outside
+    the DDP wrapper's forward; DDP's gradient hooks sit on the parameters, so the backward still reaches them. Its
+    ``pooler_output`` is what the language model consumes, so the dummy reaches exactly what a real image does.
+    """
+    inner = unwrap_model(model)
+    device = next(inner.parameters()).device
+    outputs = inner.get_image_features(**{k: v.to(device) for k, v in dummy_inputs.items()})
+    features = getattr(outputs, "pooler_output", None)
+    features = outputs if features is None else features
+    total = sum(t.float().sum() for t in _tensors(features) if t.is_floating_point())
+    return total * 0.0
