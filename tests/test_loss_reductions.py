@@ -69,3 +69,11 @@ def test_unknown_reduction_names_the_key():
     seg, labels = segments_and_labels([[3]], 3)
     with pytest.raises(ValueError, match="train.loss_reduction='mean' is invalid"):
         token_weights(labels, seg, "mean")
+
+
+@pytest.mark.parametrize("reduction", ["token", "sample", "square"])
+def test_an_all_padding_row_one_token_wide_weighs_nothing(reduction):
+    """The row that keeps a short rank in step collates to width 1: no target, zero weight, zero loss."""
+    seg, labels = torch.full((1, 1), -1), torch.full((1, 1), IGNORE_INDEX)
+    part = weighted_token_loss(torch.randn(1, 1, VOCAB), labels, seg, reduction)
+    assert float(part.weight_total) == 0 and float(part.weighted_sum) == 0

@@ -32,7 +32,7 @@ def token_weights(labels: torch.Tensor, segment_ids: torch.Tensor, reduction: st
         raise ValueError(f"train.loss_reduction={reduction!r} is invalid: allowed one of {list(REDUCTIONS)}")
     targets = labels[:, 1:]
     supervised = (targets != IGNORE_INDEX).to(torch.float64)
-    if reduction == "token":
+    if reduction == "token" or supervised.numel() == 0:  # an all-padding row can be one token wide
         return supervised
     width = segment_ids.shape[1]
     rows = torch.arange(segment_ids.shape[0], device=segment_ids.device).unsqueeze(1)

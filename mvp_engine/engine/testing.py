@@ -10,6 +10,9 @@ This module is the kit's public entry point; the checks live in ``mvp_engine.eng
   records packed by the DataKit, for every backend this machine runs; the flash kwargs through a CPU reference.
 - ``encoders``: measure == encode, assistant-only labels, errors naming the record, save/load round trip, a
   reproducible tokenizer asset, no torchvision needed.
+- ``participation``: declared-unreachable parameters really get no gradient; the dummy media pass reaches every
+  media parameter with an exact zero.
+- ``launch``: real ``python -m`` / torchrun launches of a recipe, their metrics, summaries and final weights.
 - ``records``: demo-like records with real image files.
 - ``suites``: ready-made pytest classes over all of the above (``from mvp_engine.engine.testkit.suites import
   SmokeSuite``); kept out of this module so importing the kit does not import pytest.
@@ -33,7 +36,19 @@ from .testkit.equivalence import (
     equivalence_case,
     run_equivalence,
 )
-from .testkit.records import assistant, demo_like_records, image, system, text, user, varied_records, write_image
+from .testkit.launch import final_weights, launch, max_weight_difference, read_metrics, read_summary, start
+from .testkit.participation import check_dummy_media_pass, check_unreachable_parameters_are_unreachable
+from .testkit.records import (
+    assistant,
+    demo_like_records,
+    image,
+    system,
+    text,
+    user,
+    varied_records,
+    write_image,
+    write_mixed_jsonl,
+)
 from .testkit.smoke import check_smoke_summary, smoke_run
 from .testkit.structure import (
     PACKINGS,
@@ -58,6 +73,7 @@ __all__ = [
     "check_all_combinations_compose",
     "check_assistant_only_labels",
     "check_bad_records_name_origin",
+    "check_dummy_media_pass",
     "check_flash_kwargs_with_reference_attention",
     "check_measure_equals_encode",
     "check_no_torchvision",
@@ -65,20 +81,28 @@ __all__ = [
     "check_smoke_summary",
     "check_structure",
     "check_tokenizer_asset",
+    "check_unreachable_parameters_are_unreachable",
     "collate_rows",
     "compose_config",
     "demo_like_records",
     "equivalence_case",
+    "final_weights",
     "forward_backends",
     "image",
+    "launch",
     "load_recipe",
+    "max_weight_difference",
     "packing_overrides",
+    "read_metrics",
+    "read_summary",
     "run_equivalence",
     "runnable_backends",
     "smoke_run",
+    "start",
     "system",
     "text",
     "user",
     "varied_records",
     "write_image",
+    "write_mixed_jsonl",
 ]

@@ -53,6 +53,8 @@ class Trainer:
         set_seed(train.seed)
         self.output_dir = Path(train.output_dir or "outputs/run")
         self.resume_from = resolve_resume(train.resume_from, self.output_dir)
+        if self.resume_from is not None:
+            load_run_state(self.resume_from).check_shape(*self._shape(), source=self.resume_from)
         self.processor = recipe.build_processor(cfg.model)
         self.encoder = recipe.build_encoder(self.processor)
         self.model = recipe.build_model(cfg.model, self.specs.attention)
@@ -128,12 +130,16 @@ class Trainer:
                                                   reduction="sum"))
         return step_loss, float(grad_norm)
 
-    def _start_state(self, checkpointer: Checkpointer) -> RunState:
+    def _shape(self) -> tuple[int, int, int]:
+        """What decides which packs each rank trains at each step: a resume must keep it."""
         train = self.specs.train
-        shape = (self.accelerator.num_processes, train.micro_batch_size, train.gradient_accumulation_steps)
+        return self.accelerator.num_processes, train.micro_batch_size, train.gradient_accumulation_steps
+
+    def _start_state(self, checkpointer: Checkpointer) -> RunState:
         if self.resume_from is None:
-            return RunState(world_size=shape[0], micro_batch_size=shape[1], gradient_accumulation_steps=shape[2])
-        load_run_state(self.resume_from).check_shape(*shape, source=self.resume_from)
+            world_size, micro_batch_size, accumulation = self._shape()
+            return RunState(world_size=world_size, micro_batch_size=micro_batch_size,
+                            gradient_accumulation_steps=accumulation)
         state = checkpointer.load(self.resume_from)
         if self.accelerator.is_main_process:
             print(f"resumed from {self.resume_from}: step {state.step}, epoch {state.epoch}, "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -90,3 +91,23 @@ def varied_records(directory: Path) -> list[MLLMRecord]:
             msgs = [user(text("a")), assistant("b"), user(text("c")), assistant("d e f")]
         records.append(MLLMRecord(f"r{i}", f"many.jsonl:{i}", msgs))
     return records
+
+
+def write_mixed_jsonl(directory: Path, num_records: int = 11) -> Path:
+    """A LLaVA-style JSONL file that alternates image and text-only records of varied lengths: run unpacked with
+    one sample per micro-batch, neighbouring ranks get one image micro-batch and one without media at the same
+    step (what breaks DDP without the dummy media pass). ``num_records`` odd: the last step is uneven."""
+    images = write_images(directory / "images")
+    names = list(images)
+    lines = []
+    for i in range(num_records):
+        words = " ".join(f"w{(i * 7 + j) % 23}" for j in range(3 + (i * 5) % 11))
+        if i % 2:
+            conversation = [{"from": "human", "value": f"Say {i}."}, {"from": "gpt", "value": words}]
+            lines.append({"id": f"text{i}", "conversations": conversation})
+        else:
+            conversation = [{"from": "human", "value": f"<image>\nWhat is {i}?"}, {"from": "gpt", "value": words}]
+            lines.append({"id": f"image{i}", "image": images[names[i % len(names)]], "conversations": conversation})
+    path = directory / "mixed.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path

@@ -81,6 +81,46 @@ class EquivalenceSuite(RecipeSuite):
             pytest.skip(f"{self.recipe} offers no flash attention")
         kit.check_flash_kwargs_with_reference_attention(case)
 
+    def test_declared_unreachable_parameters_get_no_gradient(self, case):
+        kit.check_unreachable_parameters_are_unreachable(case)
+
+    def test_dummy_media_pass_reaches_every_media_parameter_with_zero(self, case):
+        assert kit.check_dummy_media_pass(case) > 0
+
+
+class DistributedSuite(RecipeSuite):
+    """Real 2-process gloo runs (torchrun) on data whose micro-batches alternate image and text-only samples and
+    whose last step is uneven (one rank trains an all-padding row): 2 ranks x accumulation 1 trains exactly what
+    1 rank x accumulation 2 trains, for every loss reduction, with the same lr column."""
+
+    CASES = {"token": None, "sample": "greedy", "square": "bfd"}  # reduction -> packing (None: unpacked)
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def data(cls, tmp_path_factory):
+        return kit.write_mixed_jsonl(tmp_path_factory.mktemp(f"{cls.recipe}_mixed"))
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("reduction", list(CASES))
+    def test_two_ranks_train_what_one_rank_accumulating_two_trains(self, reduction, data, tmp_path):
+        packing = self.CASES[reduction]
+        common = [*kit.packing_overrides(packing), f"data.sources=[{data}]", "data.shuffle=false",
+                  "data.max_seq_len=160", "train.epochs=2", "train.micro_batch_size=1", "train.learning_rate=5e-3",
+                  "train.warmup_ratio=0.2", f"train.loss_reduction={reduction}"]
+        kit.launch(self.recipe, tmp_path / "two", [*common, "train.gradient_accumulation_steps=1"], nproc=2)
+        kit.launch(self.recipe, tmp_path / "one", [*common, "train.gradient_accumulation_steps=2"], nproc=1)
+        two, one = kit.read_metrics(tmp_path / "two"), kit.read_metrics(tmp_path / "one")
+        assert [m["lr"] for m in two] == [m["lr"] for m in one]
+        assert max(abs(a["loss"] - b["loss"]) for a, b in zip(two, one)) <= 1e-6
+        assert [m["samples"] for m in two] == [m["samples"] for m in one]
+        difference = kit.max_weight_difference(kit.final_weights(tmp_path / "two"), kit.final_weights(tmp_path / "one"))
+        assert difference <= 1e-6, f"parameters differ by {difference}"
+        summary = kit.read_summary(tmp_path / "two")
+        assert summary["world_size"] == 2
+        assert summary["steps_per_rank_this_session"] == [summary["estimated_steps"]] * 2 == [len(two)] * 2
+        if packing is None:  # 11 samples on 2 ranks: the last step pairs a sample with an all-padding row
+            assert [m["packs"] for m in two][-1] == 1
+
 
 class EncoderSuite(RecipeSuite):
     """The recipe's encoder and artifacts: measure == encode, labels, errors, checkpoints, tokenizer asset."""

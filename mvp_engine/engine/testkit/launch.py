@@ -1,0 +1,70 @@
+"""Real training launches for multi-process and resume tests: ``python -m recipes.<name>.train`` for one process,
+``torch.distributed.run`` (torchrun) for several, each with a timeout so a hang fails instead of blocking CI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from ..config import CONF_DIR
+
+REPO_ROOT = CONF_DIR.parent
+# every launch on one thread per process: results do not depend on how many cores the machine has free
+LAUNCH_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def train_command(recipe: str, nproc: int = 1) -> list[str]:
+    if nproc == 1:
+        return [sys.executable, "-m", f"recipes.{recipe}.train"]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", f"recipes.{recipe}.train"]
+
+
+def run_overrides(run_dir: Path, overrides: list[str] | tuple[str, ...]) -> list[str]:
+    return [f"hydra.run.dir={run_dir}", *overrides]
+
+
+def launch(recipe: str, run_dir: Path, overrides=(), nproc: int = 1, timeout: float = 300,
+           command: list[str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    """Run a training to its end; ``check``: fail with its output unless it exited 0."""
+    cmd = (command or train_command(recipe, nproc)) + run_overrides(run_dir, overrides)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT,
+                            env={**os.environ, **LAUNCH_ENV})
+    if check and result.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {result.returncode}:\n{result.stdout[-3000:]}\n"
+                             f"{result.stderr[-6000:]}")
+    return result
+
+
+def start(recipe: str, run_dir: Path, overrides=(), nproc: int = 1) -> subprocess.Popen:
+    """Start a training in the background (to be signalled or killed by the test)."""
+    cmd = train_command(recipe, nproc) + run_overrides(run_dir, overrides)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT,
+                            env={**os.environ, **LAUNCH_ENV}, start_new_session=True)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """``metrics.jsonl`` without the wall-clock column, which is the one value a rerun may not reproduce."""
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for line in lines:
+        line.pop("tokens_per_s")
+    return lines
+
+
+def read_summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "model" / "model.safetensors"))
+
+
+def max_weight_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
