@@ -1,0 +1,154 @@
+"""Checkpoints and resume, for real: a resumed run logs exactly the metrics the uninterrupted run logged.
+
+References run with a checkpoint after every step; resumes start from one of those (mid-epoch or at the epoch
+boundary) under another ``num_workers``, or from whatever a SIGKILLed or SIGTERMed run left behind. 1 and 2
+processes (torchrun, gloo), greedy (streaming dataset) and bfd (map-style dataset).
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+import mvp_engine.engine.testing as kit
+from mvp_engine.engine.checkpoint import CHECKPOINTS, STATE_FILE, load_run_state
+
+RECIPE = "qwen2_vl"
+pytestmark = pytest.mark.slow
+
+
+def common(data: Path, packing: str) -> list[str]:
+    return [f"+packing={packing}", f"data.sources=[{data}]", "data.max_seq_len=160", "train.epochs=2",
+            "train.micro_batch_size=1", "train.learning_rate=5e-3", "train.warmup_ratio=0.2", "train.keep_last=100"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return kit.write_mixed_jsonl(tmp_path_factory.mktemp("resume_data"), num_records=31)
+
+
+@pytest.fixture(scope="module")
+def references(data, tmp_path_factory):
+    """Uninterrupted runs per (processes, packing), with a checkpoint after every step; made on first use."""
+    made: dict[tuple[int, str], Path] = {}
+
+    def get(nproc: int, packing: str) -> Path:
+        if (nproc, packing) not in made:
+            run_dir = tmp_path_factory.mktemp(f"reference_{nproc}_{packing}")
+            kit.launch(RECIPE, run_dir, [*common(data, packing), "train.save_every_steps=1"], nproc=nproc)
+            made[nproc, packing] = run_dir
+        return made[nproc, packing]
+
+    return get
+
+
+def resume_point(metrics: list[dict], where: str) -> int:
+    """The step to resume after: the middle of the first epoch, or its last step."""
+    first_epoch = [m["step"] for m in metrics if m["epoch"] == 0]
+    return first_epoch[len(first_epoch) // 2] if where == "mid" else first_epoch[-1]
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("packing,where,workers", [("greedy", "mid", 2), ("greedy", "boundary", 0),
+                                                    ("bfd", "mid", 0), ("bfd", "boundary", 2)])
+def test_resume_from_a_checkpoint_reproduces_the_rest_of_the_run(references, data, tmp_path, nproc, packing, where,
+                                                                 workers):
+    reference = references(nproc, packing)
+    expected = kit.read_metrics(reference)
+    step = resume_point(expected, where)
+    checkpoint = reference / CHECKPOINTS / f"step_{step:08d}"
+    state = load_run_state(checkpoint)
+    assert (state.epoch, state.micro_batches_done > 0) == ((0, True) if where == "mid" else (1, False))
+    kit.launch(RECIPE, tmp_path, [*common(data, packing), f"train.resume_from={checkpoint}",
+                                  f"train.num_workers={workers}"], nproc=nproc)
+    assert kit.read_metrics(tmp_path) == expected[step:]
+    summary, full = kit.read_summary(tmp_path), kit.read_summary(reference)
+    assert summary["losses"] == full["losses"] and summary["totals"] == full["totals"]
+    assert kit.max_weight_difference(kit.final_weights(tmp_path), kit.final_weights(reference)) == 0
+
+
+def wait_for(predicate, proc, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended before the test could interrupt it:\n{proc.stderr.read()[-4000:]}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("timed out waiting for the run")
+        time.sleep(0.05)
+
+
+def kill_tree(proc) -> None:
+    """SIGKILL the launcher and every process under it at once (torchrun's workers have sessions of their own)."""
+    family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    for member in family:
+        member.send_signal(signal.SIGKILL)
+    psutil.wait_procs(family, timeout=60)
+    proc.wait(timeout=60)
+
+
+@pytest.mark.parametrize("nproc,packing", [(1, "bfd"), (2, "greedy")])
+def test_sigkill_then_resume_auto_reproduces_the_uninterrupted_run(references, data, tmp_path, nproc, packing):
+    expected = kit.read_metrics(references(nproc, packing))
+    overrides = [*common(data, packing), "train.save_every_steps=2", "train.keep_last=1"]
+    proc = kit.start(RECIPE, tmp_path, overrides, nproc=nproc)
+    wait_for(lambda: (tmp_path / CHECKPOINTS / "step_00000002").is_dir(), proc)
+    kill_tree(proc)
+    assert not (tmp_path / "summary.json").exists(), "the run finished before it was killed"
+    logged = kit.read_metrics(tmp_path)
+    assert logged == expected[:len(logged)], "metrics.jsonl holds every step trained before the kill"
+    kept = sorted(p.name for p in (tmp_path / CHECKPOINTS).iterdir() if not p.name.startswith("."))
+    assert len(kept) == 1, f"keep_last=1 left {kept}"
+    kit.launch(RECIPE, tmp_path, [*overrides, "train.resume_from=auto"], nproc=nproc)
+    assert kit.read_metrics(tmp_path) == expected
+    assert kit.read_summary(tmp_path)["resumed_from"].endswith(kept[0])
+
+
+def test_sigterm_on_one_rank_stops_every_rank_with_a_checkpoint_and_exit_0(references, data, tmp_path):
+    expected = kit.read_metrics(references(2, "greedy"))
+    overrides = common(data, "greedy")
+    proc = kit.start(RECIPE, tmp_path, overrides, nproc=2)
+    wait_for(lambda: (tmp_path / "metrics.jsonl").is_file() and len(kit.read_metrics(tmp_path)) >= 2, proc)
+    workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if "recipes.qwen2_vl.train" in
+               " ".join(p.cmdline()) and p.environ().get("RANK") == "1"]
+    assert len(workers) == 1, workers
+    signalled = time.monotonic()
+    workers[0].send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    stop_seconds = time.monotonic() - signalled
+    assert proc.returncode == 0, err[-4000:]
+    summary = kit.read_summary(tmp_path)
+    assert summary["stopped_by"] == "SIGTERM" and summary["actual_steps"] < len(expected)
+    assert summary["steps_per_rank_this_session"][0] == summary["steps_per_rank_this_session"][1]
+    assert (tmp_path / CHECKPOINTS / f"step_{summary['actual_steps']:08d}" / STATE_FILE).is_file()
+    assert not (tmp_path / "model").exists(), "a preempted run leaves a checkpoint, not a final model"
+    assert stop_seconds < 30, f"stopping took {stop_seconds:.1f} s, more than torchrun's grace period"
+    print(f"SIGTERM to rank 1 -> both ranks saved step {summary['actual_steps']} and exited 0 in {stop_seconds:.1f} s")
+    kit.launch(RECIPE, tmp_path, [*overrides, "train.resume_from=auto"], nproc=2)
+    assert kit.read_metrics(tmp_path) == expected
+
+
+def test_resume_under_another_world_size_is_refused_with_one_line(references, data, tmp_path):
+    checkpoint = next((references(2, "greedy") / CHECKPOINTS).iterdir())
+    result = kit.launch(RECIPE, tmp_path, [*common(data, "greedy"), f"train.resume_from={checkpoint}"], check=False)
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("config error: train.resume_from:") and "world_size=2" in last, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_crash_during_a_save_leaves_the_previous_checkpoint_usable(references, data, tmp_path):
+    reference = references(1, "bfd")
+    run_dir = tmp_path / "run"
+    (run_dir / CHECKPOINTS).mkdir(parents=True)
+    shutil.copytree(reference / CHECKPOINTS / "step_00000002", run_dir / CHECKPOINTS / "step_00000002")
+    half_written = run_dir / CHECKPOINTS / ".step_00000003.partial"
+    shutil.copytree(reference / CHECKPOINTS / "step_00000003", half_written)
+    (half_written / "model.safetensors").write_bytes(b"truncated")
+    kit.launch(RECIPE, run_dir, [*common(data, "bfd"), "train.resume_from=auto"])
+    assert kit.read_metrics(run_dir) == kit.read_metrics(reference)[2:]
