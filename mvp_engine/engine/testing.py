@@ -36,7 +36,7 @@ from .testkit.equivalence import (
     equivalence_case,
     run_equivalence,
 )
-from .testkit.launch import final_weights, launch, max_weight_difference, read_metrics, read_summary, start
+from .testkit.launch import LAUNCH_ENV, final_weights, launch, max_weight_difference, read_metrics, read_summary, start
 from .testkit.participation import check_dummy_media_pass, check_unreachable_parameters_are_unreachable
 from .testkit.records import (
     assistant,
@@ -64,6 +64,7 @@ from .testkit.structure import (
 
 __all__ = [
     "CONF_DIR",
+    "LAUNCH_ENV",
     "PACKINGS",
     "TOL",
     "EquivalenceCase",

@@ -1,0 +1,110 @@
+"""Engine behaviour around a run: launching, the schedule, freezing, drop accounting and config validation."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import get_scheduler
+
+import mvp_engine.engine.testing as kit
+from mvp_engine.engine.config import ConfigError, resolve_run_specs
+from mvp_engine.engine.trainer import Trainer, run_recipe
+
+CONF = kit.CONF_DIR
+
+
+def test_accelerate_launch_with_the_ddp_config_trains_two_processes_in_one_run_directory(tmp_path):
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONF / "accelerate" / "ddp.yaml"),
+           "--num_processes", "2", "--main_process_port", "0", "-m", "recipes.llava.train", "+packing=bfd",
+           "demo.num_samples=24", "data.max_seq_len=512", "train.epochs=1", f"demo.out_dir={tmp_path / 'demo'}"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                            env={**os.environ, **kit.LAUNCH_ENV})
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "world_size 2, process-group backend gloo" in result.stdout
+    run_dirs = list((tmp_path / "outputs" / "llava").iterdir())
+    assert len(run_dirs) == 1, f"one launch made {run_dirs}"
+    summary = kit.read_summary(run_dirs[0])
+    assert summary["world_size"] == 2 and summary["steps_per_rank_this_session"] == [summary["estimated_steps"]] * 2
+
+
+def test_an_fsdp_launch_on_a_cpu_machine_is_refused_with_one_line(monkeypatch, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("FSDP is allowed where CUDA is")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    cfg = kit.compose_config("llava", [f"train.output_dir={tmp_path}", f"demo.out_dir={tmp_path / 'demo'}"])
+    with pytest.raises(SystemExit, match="config error: FSDP .* needs CUDA GPUs"):
+        run_recipe(cfg, kit.load_recipe("llava"))
+
+
+@pytest.mark.gpu
+def test_fsdp2_trains_on_cuda(tmp_path):
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONF / "accelerate" / "fsdp2.yaml"),
+           "--num_processes", "1", "--main_process_port", "0", "-m", "recipes.qwen2_vl.train", "+packing=greedy",
+           "demo.num_samples=24", "train.epochs=1", f"demo.out_dir={tmp_path / 'demo'}", f"hydra.run.dir={tmp_path}"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=CONF.parent)
+    assert result.returncode == 0, result.stderr[-4000:]
+    summary = kit.read_summary(tmp_path)
+    assert summary["actual_steps"] == summary["estimated_steps"]
+
+
+@pytest.mark.parametrize("override,key", [
+    ("train.mixed_precision=bogus", "train.mixed_precision"), ("train.lr_scheduler=zigzag", "train.lr_scheduler"),
+    ("train.weight_decay=-1", "train.weight_decay"), ("train.max_grad_norm=0", "train.max_grad_norm"),
+    ("train.save_every_steps=-1", "train.save_every_steps"), ("train.keep_last=0", "train.keep_last"),
+    ("train.resume_from=/no/such/checkpoint", "train.resume_from"), ("train.pad_to_multiple_of=0",
+                                                                     "train.pad_to_multiple_of"),
+    ("train.seed=-3", "train.seed"), ("train.num_workers=-1", "train.num_workers"),
+])
+def test_every_train_value_is_checked_at_config_time(override, key):
+    recipe = kit.load_recipe("qwen2_vl")
+    with pytest.raises(ConfigError, match=f"^{key}="):
+        resolve_run_specs(kit.compose_config("qwen2_vl", [override]), recipe.attention_backends)
+
+
+def test_a_freeze_pattern_that_matches_nothing_names_the_key(tmp_path):
+    cfg = kit.compose_config("llava", ["model.freeze=[model.no_such_module]", f"train.output_dir={tmp_path}",
+                                       f"demo.out_dir={tmp_path / 'demo'}"])
+    with pytest.raises(SystemExit, match="config error: model.freeze: pattern 'model.no_such_module' matches no"):
+        run_recipe(cfg, kit.load_recipe("llava"))
+
+
+def test_llava_stage_one_trains_only_the_projector(tmp_path):
+    freeze = "model.freeze=[model.vision_tower,model.language_model,lm_head]"
+    cfg = kit.compose_config("llava", ["+packing=greedy", freeze, "demo.num_samples=24", "data.max_seq_len=512",
+                                       "train.epochs=2", "train.warmup_ratio=0", f"train.output_dir={tmp_path}",
+                                       f"demo.out_dir={tmp_path / 'demo'}"])
+    trainer = Trainer(cfg, kit.load_recipe("llava"))
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    summary = trainer.run()
+    after = dict(trainer.model.named_parameters())
+    projector = {name for name in before if name.startswith("model.multi_modal_projector.")}
+    assert projector and summary["parameters"]["trainable"] == sum(before[n].numel() for n in projector)
+    for name, value in before.items():
+        changed = not torch.equal(value, after[name])
+        assert changed == (name in projector), f"{name}: changed={changed}"
+
+
+def test_the_logged_lr_is_the_rate_each_step_trained_at(tmp_path):
+    summary = kit.smoke_run("qwen2_vl", "greedy", tmp_path / "run", ("train.warmup_ratio=0.3",))
+    logged = [m["lr"] for m in kit.read_metrics(tmp_path / "run")]
+    steps = summary["actual_steps"]
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=5e-3)
+    scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=math.ceil(0.3 * steps), num_training_steps=steps)
+    expected = []
+    for _ in range(steps):
+        expected.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    assert logged == expected and logged[0] == 0.0
+
+
+def test_drop_last_drops_are_counted_with_their_reason(tmp_path):
+    summary = kit.smoke_run("qwen2_vl", "bfd", tmp_path / "run", ("train.drop_last=true", "train.micro_batch_size=3"))
+    dropped = summary["totals"]["dropped"]
+    assert dropped.get("drop_last", 0) > 0, dropped
+    assert summary["totals"]["samples"] + dropped["drop_last"] == summary["planned"]["samples"]
