@@ -88,7 +88,7 @@ class Trainer:
         return micro_batches_per_rank(len(self.dataset.plan(epoch).packs), train.micro_batch_size,
                                       self.accelerator.num_processes, train.drop_last)
 
-    def _loader(self, epoch: int, micro_batches_done: int) -> DataLoader:
+    def _loader(self, epoch: int, micro_batches_done: int = 0) -> DataLoader:
         self.dataset.set_epoch(epoch)
         train = self.specs.train
         if hasattr(self.dataset, "worker_batch_size"):
