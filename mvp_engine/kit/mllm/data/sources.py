@@ -53,7 +53,15 @@ _SLOT = object()
 
 
 class MLLMRecordError(ValueError):
-    """A training record (or a file or image it names) that cannot be used; the message starts with its origin."""
+    """A training record (or a file or image it names) that cannot be used; the message starts with its origin.
+
+    ``reason`` is the fault class the bad-record report counts it under (documented with every other reason in
+    ``skills/kit/mllm-data-kit/references/bad_records.md``).
+    """
+
+    def __init__(self, message: str, reason: str = "invalid_record"):
+        super().__init__(message)
+        self.reason = reason
 
 
 def read_records(path: str | os.PathLike, image_root: str | os.PathLike | None = None) -> Iterator[MLLMRecord]:

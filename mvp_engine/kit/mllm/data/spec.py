@@ -56,6 +56,9 @@ class MLLMPackingSpec:
                  "null, a dotted path or a class", self.assembler_cls)
 
 
+BAD_RECORD_POLICIES = ("skip", "error")
+
+
 @dataclass
 class MLLMDataSpec:
     """Where records come from and how they become batches.
@@ -71,10 +74,18 @@ class MLLMDataSpec:
     overlong: str = "drop"
     seed: int = 0
     shuffle: bool = True
+    on_bad_record: str = "skip"  # skip: leave it out, counted and reported; error: the first one stops the run
+    max_bad_fraction: float = 0.01  # under skip, more bad records than this fraction of those read stops the run
+    allow_leading_assistant: bool = False  # a conversation opening with an assistant turn is a bad record unless set
 
     def __post_init__(self) -> None:
         if isinstance(self.sources, str):
             self.sources = [self.sources]
+        if self.on_bad_record not in BAD_RECORD_POLICIES:
+            raise ValueError(f"data.on_bad_record={self.on_bad_record!r} is invalid: allowed one of "
+                             f"{list(BAD_RECORD_POLICIES)}")
+        if not isinstance(self.max_bad_fraction, (int, float)) or not 0 <= self.max_bad_fraction <= 1:
+            raise ValueError(f"data.max_bad_fraction={self.max_bad_fraction!r} is invalid: allowed a float in [0, 1]")
         if self.overlong not in OVERLONG_POLICIES:
             raise ValueError(f"data.overlong={self.overlong!r} is invalid: allowed one of {list(OVERLONG_POLICIES)}")
         if not isinstance(self.max_seq_len, int) or self.max_seq_len < 1:
