@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from mvp_engine.kit.mllm.data import IGNORE_INDEX, MLLMRecord, MLLMSample, SampleMeta
+from mvp_engine.kit.mllm.data import IGNORE_INDEX, MLLMRecord, MLLMRecordError, MLLMSample, SampleMeta
 
 PATCH_DIM = 4
 
 
-def fake_record(index: int, length: int, media: int = 0) -> MLLMRecord:
-    text = f"{length} {media}"
+def fake_record(index: int, length: int, media: int = 0, fault: str | None = None) -> MLLMRecord:
+    """``fault``: ``measure`` (an unreadable image header) or ``decode`` (a corrupt image body) makes the record
+    fail at that stage, as real broken records do."""
+    text = f"{length} {media}" + (f" {fault}" if fault else "")
     return MLLMRecord(record_id=f"r{index}", origin=f"fake.jsonl:{index + 1}",
                       messages=[{"role": "user", "content": [{"type": "text", "text": text}]}])
 
@@ -18,12 +20,25 @@ def fake_record(index: int, length: int, media: int = 0) -> MLLMRecord:
 class FakeEncoder:
     """Deterministic tokens; media items of 2x2 patches at the start; every other token supervised."""
 
+    @staticmethod
+    def _fields(record: MLLMRecord) -> tuple[int, int, str]:
+        length, media, *fault = record.messages[0]["content"][0]["text"].split()
+        return int(length), int(media), fault[0] if fault else ""
+
     def measure(self, record: MLLMRecord) -> SampleMeta:
-        length, media = map(int, record.messages[0]["content"][0]["text"].split())
-        return SampleMeta(length=length, num_media=media, media_end=min(length, 4 * media))
+        length, media, fault = self._fields(record)
+        if fault == "measure":
+            raise MLLMRecordError(f"{record.origin}: cannot read image header", "unreadable_image",
+                                  record_id=record.record_id)
+        # every other token is supervised from index 1 (see encode)
+        return SampleMeta(length=length, num_media=media, media_end=min(length, 4 * media),
+                          first_supervised=1 if length > 1 else length)
 
     def encode(self, record: MLLMRecord) -> MLLMSample:
         meta = self.measure(record)
+        if self._fields(record)[2] == "decode":
+            raise MLLMRecordError(f"{record.origin}: cannot load image: truncated", "corrupt_image",
+                                  record_id=record.record_id)
         seed = int(record.record_id[1:])
         input_ids = (torch.arange(meta.length) * 7 + seed) % 1000 + 1
         labels = input_ids.clone()

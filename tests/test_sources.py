@@ -46,10 +46,28 @@ def image(path: Path) -> dict:
 GOOD = llava(("human", "hi"), ("gpt", "hello"))
 
 
-def read_error(path: Path) -> str:
+def read_failure(path: Path) -> MLLMRecordError:
     with pytest.raises(MLLMRecordError) as info:
         list(read_records(path))
-    return str(info.value)
+    return info.value
+
+
+def read_error(path: Path) -> str:
+    return str(read_failure(path))
+
+
+# Every reason a record error may carry (the bad-record report counts records by these).
+RECORD_REASONS = {
+    "invalid_utf8",
+    "invalid_json",
+    "invalid_record",
+    "missing_image",
+    "remote_image",
+    "empty_turn",
+    "leading_assistant",
+    "unplaced_image",
+    "conflicting_system",
+}
 
 
 # --- validation errors: each names its origin and says what is wrong -----------------------------------------
@@ -92,6 +110,39 @@ ERROR_CASES = {
         "messages turn 1, part 1: text part needs a string 'text', got null",
     ),
     "empty_turn": (llava(("human", "hi"), ("gpt", "")), "turn 2 (assistant) is empty"),
+    "whitespace_turn": (llava(("human", "hi"), ("gpt", "   \n")), "turn 2 (assistant) is empty"),
+    "whitespace_parts": (
+        {
+            "messages": [
+                {"role": "user", "content": [text(" "), text("\t\n")]},
+                {"role": "assistant", "content": "x"},
+            ]
+        },
+        "turn 1 (user) is empty",
+    ),
+    "leading_assistant": (
+        llava(("system", "sys"), ("gpt", "Hello!"), ("human", "hi"), ("gpt", "x")),
+        "conversation opens with an assistant turn",
+    ),
+    "unplaced_llava_image": (
+        llava(("human", "<image> hi"), ("gpt", "x"), images=["a.png", "b.png"]),
+        "1 of its 2 top-level image(s) have no <image> tag/image slot",
+    ),
+    "unplaced_openai_image": (
+        {
+            "images": ["b.png"],
+            "messages": [
+                {"role": "user", "content": [{"type": "image", "image": "a.png"}, text("hi")]},
+                {"role": "assistant", "content": "x"},
+            ],
+        },
+        "1 of its 1 top-level image(s) have no <image> tag/image slot",
+    ),
+    "conflicting_system": (
+        llava(("system", "Be brief."), ("human", "hi"), ("gpt", "x"), system="Be verbose."),
+        "top-level 'system' 'Be verbose.' differs from the record's own system turn",
+    ),
+    "non_string_system": (llava(("human", "hi"), ("gpt", "x"), system=["a"]), "'system' must be a string, got list"),
     "remote_url": (
         {
             "messages": [
@@ -104,13 +155,41 @@ ERROR_CASES = {
 }
 
 
+ERROR_REASONS = {
+    "invalid_json": "invalid_json",
+    "missing_image": "missing_image",
+    "remote_url": "remote_image",
+    "empty_turn": "empty_turn",
+    "whitespace_turn": "empty_turn",
+    "whitespace_parts": "empty_turn",
+    "leading_assistant": "leading_assistant",
+    "unplaced_llava_image": "unplaced_image",
+    "unplaced_openai_image": "unplaced_image",
+    "conflicting_system": "conflicting_system",
+}
+
+
 @pytest.mark.parametrize("case", sorted(ERROR_CASES))
-def test_validation_error_names_origin_and_problem(data_dir: Path, case: str) -> None:
+def test_validation_error_names_origin_problem_and_reason(data_dir: Path, case: str) -> None:
     bad, expected = ERROR_CASES[case]
     path = write_jsonl(data_dir, [GOOD, bad, GOOD])
-    message = read_error(path)
+    error = read_failure(path)
+    message = str(error)
     assert message.startswith(f"{path}:2: "), message
     assert expected in message, message
+    assert error.reason == ERROR_REASONS.get(case, "invalid_record"), (error.reason, message)
+
+
+@pytest.mark.parametrize("case", sorted(ERROR_CASES))
+def test_on_bad_gets_each_bad_record_and_reading_goes_on(data_dir: Path, case: str) -> None:
+    bad, _ = ERROR_CASES[case]
+    path = write_jsonl(data_dir, [GOOD, bad, {**GOOD, "id": "last"}])
+    seen: list[MLLMRecordError] = []
+    records = list(read_records(path, on_bad=seen.append))
+    assert [r.record_id for r in records] == [f"{path}:1", "last"]
+    assert [(str(e).split(": ", 1)[0], e.reason) for e in seen] == [
+        (f"{path}:2", ERROR_REASONS.get(case, "invalid_record"))
+    ]
 
 
 MALFORMED = [
@@ -172,6 +251,7 @@ def test_arbitrary_json_gives_a_record_or_a_record_error(data_dir: Path, raw) ->
         record = parse_record(raw, "rec:1", data_dir)
     except MLLMRecordError as exc:
         assert str(exc).startswith("rec:1: ")
+        assert exc.reason in RECORD_REASONS
     else:
         assert isinstance(record, MLLMRecord)
 
@@ -272,6 +352,72 @@ def test_tag_positions_and_text_are_kept_exactly(data_dir: Path) -> None:
     assert record.messages[1]["content"] == [text(" x ")]
 
 
+def test_leading_assistant_is_trained_when_allowed(data_dir: Path) -> None:
+    raw = llava(("gpt", "Welcome!"), ("human", "hi"), ("gpt", "x"))
+    with pytest.raises(MLLMRecordError, match="^rec:1: conversation opens with an assistant turn") as info:
+        parse_record(raw, "rec:1", data_dir)
+    assert info.value.reason == "leading_assistant"
+    record = parse_record(raw, "rec:1", data_dir, allow_leading_assistant=True)
+    assert [m["role"] for m in record.messages] == ["assistant", "user", "assistant"]
+    path = write_jsonl(data_dir, [raw, GOOD])
+    assert len(list(read_records(path, allow_leading_assistant=True))) == 2
+    seen: list[MLLMRecordError] = []
+    assert len(list(read_records(path, on_bad=seen.append))) == 1
+    assert [e.reason for e in seen] == ["leading_assistant"]
+
+
+@pytest.mark.parametrize("fmt", ["llava", "openai"])
+def test_top_level_system_becomes_the_leading_system_turn(data_dir: Path, fmt: str) -> None:
+    def make(system_turn: str | None = None, **top) -> dict:
+        turns = [("system", system_turn)] if system_turn is not None else []
+        turns += [("human", "hi"), ("gpt", "x")]
+        if fmt == "llava":
+            return llava(*turns, **top)
+        roles = {"system": "system", "human": "user", "gpt": "assistant"}
+        return {**top, "messages": [{"role": roles[f], "content": v} for f, v in turns]}
+
+    expected = [
+        {"role": "system", "content": [text("Be brief.")]},
+        {"role": "user", "content": [text("hi")]},
+        {"role": "assistant", "content": [text("x")]},
+    ]
+    assert parse_record(make(system="Be brief."), "rec:1", data_dir).messages == expected
+    assert parse_record(make("Be brief.", system="Be brief."), "rec:1", data_dir).messages == expected
+    assert parse_record(make(system=""), "rec:1", data_dir).messages == expected[1:]  # "" means no system prompt
+    assert parse_record(make("Be brief.", system=" "), "rec:1", data_dir).messages == expected
+    with pytest.raises(MLLMRecordError, match="^rec:1: top-level 'system'") as info:
+        parse_record(make("Be brief.", system="Be brief. "), "rec:1", data_dir)
+    assert info.value.reason == "conflicting_system"
+    with pytest.raises(MLLMRecordError, match="^rec:1: 'system' must be a string") as info:
+        parse_record(make(system=3), "rec:1", data_dir)
+    assert info.value.reason == "invalid_record"
+
+
+def test_whitespace_is_kept_in_turns_that_are_not_blank(data_dir: Path) -> None:
+    raw = llava(("human", "<image>\n"), ("gpt", "\n ok \n"), image="a.png")
+    record = parse_record(raw, "rec:1", data_dir)
+    assert record.messages[0]["content"] == [image(data_dir / "a.png"), text("\n")]
+    assert record.messages[1]["content"] == [text("\n ok \n")]
+
+
+def test_placed_images_and_unplaced_ones(data_dir: Path) -> None:
+    a, b = data_dir / "a.png", data_dir / "b.png"
+    raw = {
+        "images": ["b.png"],
+        "messages": [
+            {"role": "user", "content": [{"type": "image", "image": "a.png"}, text("and"), {"type": "image"}]},
+            {"role": "assistant", "content": "x"},
+        ],
+    }
+    record = parse_record(raw, "rec:1", data_dir)
+    assert record.messages[0]["content"] == [image(a), text("and"), image(b)]
+    raw = llava(("human", "<image> A"), ("gpt", "x"), ("human", "B"), ("gpt", "y"), images=["a.png", "b.png", "b.png"])
+    with pytest.raises(MLLMRecordError, match=r"^rec:1: .*2 of its 3 top-level image\(s\)") as info:
+        parse_record(raw, "rec:1", data_dir)
+    assert info.value.reason == "unplaced_image"
+    assert str(b) in str(info.value)
+
+
 def test_record_id_defaults_to_origin_and_accepts_integers(data_dir: Path) -> None:
     path = write_jsonl(data_dir, [GOOD, {**GOOD, "id": 42}])
     first, second = read_records(path)
@@ -323,7 +469,9 @@ def test_minified_json_origins_carry_the_record_index(data_dir: Path) -> None:
 def test_json_file_errors(data_dir: Path) -> None:
     path = data_dir / "data.json"
     path.write_text(json.dumps(GOOD), encoding="utf-8")
-    assert read_error(path) == f"{path}:1: a .json data file must hold a list of records, got object"
+    error = read_failure(path)
+    assert str(error) == f"{path}:1: a .json data file must hold a list of records, got object"
+    assert error.reason == "invalid_source"
     path.write_text('[\n{"conversations": []},\n{"conversations": [}\n]', encoding="utf-8")
     assert read_error(path).startswith(f"{path}:3: invalid JSON")
     path.write_text(f"[{json.dumps(GOOD)}]\n[]", encoding="utf-8")
@@ -332,13 +480,88 @@ def test_json_file_errors(data_dir: Path) -> None:
     assert list(read_records(path)) == []
 
 
+def test_malformed_json_document_is_raised_even_with_on_bad(data_dir: Path) -> None:
+    path = data_dir / "data.json"
+    seen: list[MLLMRecordError] = []
+    for document, line in (('[\n{"conversations": []},\n{"conversations": [}\n]', 3), (f"[{json.dumps(GOOD)}]\n[]", 2)):
+        path.write_text(document, encoding="utf-8")
+        with pytest.raises(MLLMRecordError, match=f"^{re.escape(str(path))}:{line}: invalid JSON") as info:
+            list(read_records(path, on_bad=seen.append))
+        assert info.value.reason == "invalid_json"
+    path.write_bytes(b"[\xff]")
+    with pytest.raises(MLLMRecordError, match="file is not valid UTF-8") as info:
+        list(read_records(path, on_bad=seen.append))
+    assert info.value.reason == "invalid_utf8"
+    assert seen == []
+
+
+def test_json_list_element_that_fails_goes_to_on_bad(data_dir: Path) -> None:
+    path = data_dir / "data.json"
+    bad = llava(("human", "hi"), id=7)
+    path.write_text(json.dumps([GOOD, bad, {**GOOD, "id": "three"}], indent=2), encoding="utf-8")
+    seen: list[MLLMRecordError] = []
+    records = list(read_records(path, on_bad=seen.append))
+    assert [r.record_id for r in records] == [f"{path}:2", "three"]
+    (error,) = seen
+    assert str(error).startswith(f"{path}:") and "no assistant turn" in str(error)
+    assert (error.reason, error.record_id) == ("invalid_record", "7")
+
+
+def test_jsonl_bad_lines_go_to_on_bad_and_the_good_ones_are_read(data_dir: Path) -> None:
+    path = data_dir / "mixed.jsonl"
+    lines = [
+        json.dumps(GOOD).encode(),
+        b'{"conversations": [',
+        b"\xff\xfe",
+        b"",
+        json.dumps(llava(("human", "hi"), ("gpt", " "), id="blank-answer")).encode(),
+        json.dumps({**GOOD, "id": 5}).encode(),
+        json.dumps(llava(("human", "<image>"), ("gpt", "x"), id=9, image="gone.png")).encode(),
+        json.dumps(GOOD).encode(),
+    ]
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    seen: list[MLLMRecordError] = []
+    records = list(read_records(path, on_bad=seen.append))
+    assert [r.origin for r in records] == [f"{path}:1", f"{path}:6", f"{path}:8"]
+    assert [(str(e).split(": ", 1)[0], e.reason, e.record_id) for e in seen] == [
+        (f"{path}:2", "invalid_json", None),
+        (f"{path}:3", "invalid_utf8", None),
+        (f"{path}:5", "empty_turn", "blank-answer"),
+        (f"{path}:7", "missing_image", "9"),
+    ]
+    with pytest.raises(MLLMRecordError, match=f"^{re.escape(str(path))}:2: invalid JSON"):
+        list(read_records(path))  # without on_bad the first bad record stops the reading
+
+
+def test_record_error_carries_the_record_id_when_there_is_one(data_dir: Path) -> None:
+    with pytest.raises(MLLMRecordError) as info:
+        parse_record(llava(("human", "hi"), id="r-1"), "rec:1", data_dir)
+    assert info.value.record_id == "r-1"
+    with pytest.raises(MLLMRecordError) as info:
+        parse_record(llava(("human", "hi")), "rec:1", data_dir)
+    assert info.value.record_id is None
+    with pytest.raises(MLLMRecordError) as info:
+        parse_record(llava(("human", "hi"), ("gpt", "x"), id=[1]), "rec:1", data_dir)
+    assert (info.value.reason, info.value.record_id) == ("invalid_record", None)
+    assert MLLMRecordError("x: y", record_id="k").record_id == "k"
+
+
 def test_file_level_errors(data_dir: Path) -> None:
-    assert read_error(data_dir / "missing.jsonl") == f"{data_dir / 'missing.jsonl'}: data file not found"
+    missing = read_failure(data_dir / "missing.jsonl")
+    assert str(missing) == f"{data_dir / 'missing.jsonl'}: data file not found"
     (data_dir / "data.csv").write_text("x")
-    assert "unsupported file type '.csv'" in read_error(data_dir / "data.csv")
+    csv = read_failure(data_dir / "data.csv")
+    assert "unsupported file type '.csv'" in str(csv)
+    assert missing.reason == csv.reason == "invalid_source"
+    seen: list[MLLMRecordError] = []
+    with pytest.raises(MLLMRecordError, match="data file not found"):
+        list(read_records(data_dir / "missing.jsonl", on_bad=seen.append))  # a config error, not a bad record
+    assert seen == []
     bad = data_dir / "bad.jsonl"
     bad.write_bytes(json.dumps(GOOD).encode() + b"\n\xff\xfe\n")
-    assert read_error(bad).startswith(f"{bad}:2: line is not valid UTF-8")
+    error = read_failure(bad)
+    assert str(error).startswith(f"{bad}:2: line is not valid UTF-8")
+    assert error.reason == "invalid_utf8"
 
 
 # --- images ------------------------------------------------------------------------------------------------------

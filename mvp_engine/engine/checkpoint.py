@@ -42,6 +42,7 @@ class RunState:
     losses: list[float] = field(default_factory=list)
     totals: dict = field(default_factory=dict)
     dropped: dict = field(default_factory=dict)
+    epochs: list[dict] = field(default_factory=list)  # per-epoch record ledger (EpochLedger.as_dict)
     # the run shape a resume must match: a different split of the data would silently train other packs
     world_size: int = 1
     micro_batch_size: int = 1

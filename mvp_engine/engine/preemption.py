@@ -1,8 +1,9 @@
 """Preemption: SIGTERM (what SLURM and Kubernetes send before a kill) ends the run at the next step boundary.
 
 The handler only sets a flag, so no step or collective is interrupted half-way. At each step boundary the ranks
-sum their flags in one tiny all-reduce: a signal that reached a single rank stops them all at the same step, and no
-rank is left waiting in a collective the others have abandoned. The trainer then saves a checkpoint and returns,
+sum their flags in one tiny all-reduce (the trainer's, which carries its other stop reasons too): a signal that
+reached a single rank stops them all at the same step, and no rank is left waiting in a collective the others have
+abandoned. The trainer then saves a checkpoint and returns,
 so the process exits 0 well inside torchrun's 30 s grace period.
 """
 
@@ -10,17 +11,13 @@ from __future__ import annotations
 
 import signal
 
-import torch
-from accelerate import Accelerator
-
 STOP_SIGNALS = (signal.SIGTERM,)
 
 
 class PreemptionWatch:
     """Context manager: installs the flagging handler, restores the previous one on exit."""
 
-    def __init__(self, accelerator: Accelerator):
-        self.accelerator = accelerator
+    def __init__(self):
         self.received: int | None = None
         self._previous: dict[int, object] = {}
 
@@ -36,10 +33,10 @@ class PreemptionWatch:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
-    def agreed_stop(self) -> bool:
-        """True on every rank when any rank has received a stop signal (a collective: call it on all ranks)."""
-        flag = torch.tensor([0.0 if self.received is None else 1.0], device=self.accelerator.device)
-        return bool(self.accelerator.reduce(flag, reduction="sum").item() > 0)
+    @property
+    def requested(self) -> bool:
+        """This rank got a stop signal; the trainer sums this flag over ranks at each step boundary."""
+        return self.received is not None
 
 
 def ignore_stop_signals(worker_id: int) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 import math
 import time
 from contextlib import nullcontext
@@ -16,7 +17,16 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
-from mvp_engine.kit.mllm.data import MLLMCollator, MLLMDataKit, TokenAccounting
+from mvp_engine.kit.mllm.data import (
+    BadRecord,
+    BadRecordReport,
+    MLLMCollator,
+    MLLMDataKit,
+    MLLMRecordError,
+    RecordLedger,
+    TokenAccounting,
+    TooManyBadRecords,
+)
 from mvp_engine.kit.mllm.data.demo import write_demo_dataset
 from mvp_engine.kit.mllm.data.steps import micro_batches_per_rank
 
@@ -27,6 +37,9 @@ from .loss import token_weights, weighted_token_loss
 from .participation import dummy_media_loss, freeze_parameters, has_media
 from .preemption import PreemptionWatch, ignore_stop_signals
 from .recipe import Recipe
+
+BAD_RECORDS = "bad_records.jsonl"
+DROPPED_RECORDS = "dropped_records.jsonl"
 
 
 def step_groups(loader, size: int):
@@ -65,14 +78,33 @@ class Trainer:
         if not data.sources:
             demo = self.specs.demo
             data.sources = [str(write_demo_dataset(demo.out_dir, demo.num_samples, demo.seed))]
+        self.bad_records = BadRecordReport(data.on_bad_record, data.max_bad_fraction)
         self.dataset = MLLMDataKit.build_dataset(data, self.encoder, rank=self.accelerator.process_index,
                                                  world_size=self.accelerator.num_processes,
-                                                 drop_last=train.drop_last)
+                                                 drop_last=train.drop_last, bad_records=self.bad_records)
         self.collator = MLLMCollator(recipe.pad_token_id(self.processor), train.pad_to_multiple_of)
         self.packed = data.packing is not None
         self.prepare = recipe.prepare_packed if self.packed else recipe.prepare_padded
         self.total_steps = self.dataset.estimate_total_steps(train.epochs, train.micro_batch_size,
                                                              train.gradient_accumulation_steps)
+        self._report_bad_records_found_before_training()
+
+    @property
+    def bad_records_path(self) -> Path:
+        return self.output_dir / BAD_RECORDS
+
+    def _report_bad_records_found_before_training(self) -> None:
+        """Reading and measuring every record (done above, on every rank alike) found these; list them all and stop
+        with one line when there are too many."""
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        report = self.bad_records
+        if self.accelerator.is_main_process:
+            report.write(self.bad_records_path)
+            if report.count:
+                print(f"data: {report.count} of {report.records_read} records are bad and left out "
+                      f"({report.fraction():.1%}; data.max_bad_fraction={report.max_fraction}), by reason "
+                      f"{dict(report.counts().most_common())}: listed in {self.bad_records_path}")
+        report.check(self.bad_records_path)
 
     def _optimizer_and_schedule(self):
         train = self.specs.train
@@ -94,9 +126,12 @@ class Trainer:
         if hasattr(self.dataset, "worker_batch_size"):
             self.dataset.worker_batch_size = train.micro_batch_size
         dataset = self.dataset.starting_at(micro_batches_done * train.micro_batch_size)
+        # its own generator: creating the iterator must not draw from the global RNG, or a mid-epoch resume (which
+        # creates one more iterator than the uninterrupted run) would continue on another random stream
         return DataLoader(dataset, batch_size=train.micro_batch_size, collate_fn=self.collator,
                           drop_last=train.drop_last, num_workers=train.num_workers,
-                          worker_init_fn=ignore_stop_signals if train.num_workers else None)
+                          worker_init_fn=ignore_stop_signals if train.num_workers else None,
+                          generator=torch.Generator().manual_seed(train.seed * 1_000_003 + epoch))
 
     def _train_step(self, group: list[dict], model, optimizer, scheduler) -> tuple[float, float]:
         """One optimizer step over ``group``; the denominator covers every micro-batch on every rank.
@@ -167,26 +202,30 @@ class Trainer:
         model, optimizer = self.accelerator.prepare(self.model, optimizer)
         self.accelerator.register_for_checkpointing(scheduler)
         model.train()
-        self.output_dir.mkdir(parents=True, exist_ok=True)
         checkpointer = Checkpointer(self.accelerator, self.output_dir, train.keep_last)
         state = self._start_state(checkpointer)
         totals = state.accounting()
+        ledgers = [RecordLedger.from_dict(e) for e in state.epochs]
         local_steps = 0
         stopped_by = None
         started = time.perf_counter()
         progress = tqdm(total=self.total_steps, initial=state.step, disable=not main, desc=f"{self.recipe.name} train")
         metrics = self._open_metrics(state) if main else nullcontext()
-        with metrics, PreemptionWatch(self.accelerator) as preemption:
+        with metrics, PreemptionWatch() as preemption:
             while state.epoch < train.epochs and stopped_by is None:
                 epoch = state.epoch
                 if state.micro_batches_done == 0:  # drops are counted once, when an epoch starts
-                    totals.dropped.update(self.dataset.plan(epoch).drop_counts)
-                    left_out = self.dataset.samples_left_out_by_drop_last(train.micro_batch_size, epoch)
-                    if left_out:
-                        totals.dropped["drop_last"] += left_out
+                    ledgers.append(self.dataset.epoch_ledger(train.micro_batch_size, epoch))
+                    totals.dropped.update(ledgers[-1].dropped)
                 epoch_micro_batches = self._epoch_micro_batches(epoch)
-                loader = self._loader(epoch, state.micro_batches_done)
-                for group in step_groups(loader, train.gradient_accumulation_steps):
+                for group in step_groups(self._loader(epoch, state.micro_batches_done),
+                                         train.gradient_accumulation_steps):
+                    # one collective at every step boundary, before the step: a stop signal on any rank, and the
+                    # samples decoding faults took out of this step's packs on every rank
+                    stopped_by = self._step_boundary(group, preemption, ledgers[-1])
+                    if stopped_by:
+                        checkpointer.save(state)
+                        break
                     step_start = time.perf_counter()
                     lr = scheduler.get_last_lr()[0]  # the rate this step trains at
                     loss, grad_norm = self._train_step(group, model, optimizer, scheduler)
@@ -195,8 +234,10 @@ class Trainer:
                     step_counts = TokenAccounting.from_tensor(self.accelerator.reduce(
                         local.as_tensor().to(self.accelerator.device), reduction="sum").cpu())
                     totals = totals + step_counts
+                    ledgers[-1].samples_trained += step_counts.samples
                     local_steps += 1
                     state.record(loss, totals)
+                    state.epochs = [ledger.to_dict() for ledger in ledgers]
                     state.advance(len(group), epoch_micro_batches)
                     record = {"step": state.step, "epoch": epoch, "loss": loss, "lr": lr,
                               "grad_norm": grad_norm, "effective_tokens": step_counts.effective,
@@ -204,26 +245,16 @@ class Trainer:
                               "packs": step_counts.packs, "padding_ratio": step_counts.padding_ratio,
                               "tokens_per_s": step_counts.effective / seconds}
                     if main:
-                        metrics.write(json.dumps(record) + "\n")
-                        progress.update(1)
-                        progress.set_postfix(loss=f"{loss:.3f}")
-                        if state.step % train.log_every == 0:
-                            progress.write(
-                                f"step {state.step}/{self.total_steps} epoch {epoch} loss {loss:.4f} "
-                                f"lr {lr:.2e} tokens {step_counts.effective} "
-                                f"supervised {step_counts.supervised} samples {step_counts.samples} "
-                                f"padding {step_counts.padding_ratio:.1%} tok/s {record['tokens_per_s']:.0f}")
-                    if preemption.agreed_stop():
-                        stopped_by = "SIGTERM"
-                    if stopped_by or train.save_every_steps and state.step % train.save_every_steps == 0:
+                        self._log_step(metrics, progress, record, step_counts)
+                    if train.save_every_steps and state.step % train.save_every_steps == 0:
                         saved = checkpointer.save(state)
                         if main:
                             progress.write(f"checkpoint: {saved}")
-                    if stopped_by:
-                        break
         progress.close()
-        summary = self._summary(state, totals, gather_object([local_steps]), time.perf_counter() - started)
+        summary = self._summary(state, totals, ledgers, gather_object([local_steps]), time.perf_counter() - started)
         summary["stopped_by"] = stopped_by
+        if main:
+            self._write_record_files(ledgers)
         if stopped_by is None:
             self._save(model, summary)
         elif main:
@@ -232,8 +263,52 @@ class Trainer:
                   f"(run directory {self.output_dir})")
         return summary
 
-    def _summary(self, state: RunState, totals: TokenAccounting, steps_per_rank: list[int], seconds: float) -> dict:
+    def _step_boundary(self, group: list[dict], preemption: PreemptionWatch, ledger: RecordLedger) -> str | None:
+        """Agree across ranks, before a step: "SIGTERM" when any rank got one; decoding faults of the step's packs
+        are gathered, counted and reported, and stop every rank together (one line) under ``on_bad_record=error``
+        or past ``data.max_bad_fraction``."""
+        local_bad = [bad for batch in group for bad in batch.pop("bad_records", ())]
+        flags = torch.tensor([float(preemption.requested), float(len(local_bad))], device=self.accelerator.device)
+        stop, bad = self.accelerator.reduce(flags, reduction="sum").tolist()
+        if bad:
+            found = [BadRecord(**b) for rank_bad in gather_object([local_bad]) for b in rank_bad]
+            ledger.bad.update(b.reason for b in found)
+            new = [b for b in found if self.bad_records.add(b)]
+            if new and self.accelerator.is_main_process:
+                self.bad_records.write(self.bad_records_path)
+                print(f"left out {len(new)} more bad records found while decoding "
+                      f"({dict(Counter(b.reason for b in new))}; first: {new[0].message}): listed in "
+                      f"{self.bad_records_path}")
+            self.bad_records.check(self.bad_records_path)  # the same verdict on every rank: all stop together
+        return "SIGTERM" if stop else None
+
+    def _log_step(self, metrics, progress, record: dict, step_counts: TokenAccounting) -> None:
+        metrics.write(json.dumps(record) + "\n")
+        progress.update(1)
+        progress.set_postfix(loss=f"{record['loss']:.3f}")
+        if record["step"] % self.specs.train.log_every == 0:
+            progress.write(
+                f"step {record['step']}/{self.total_steps} epoch {record['epoch']} loss {record['loss']:.4f} "
+                f"lr {record['lr']:.2e} tokens {step_counts.effective} supervised {step_counts.supervised} "
+                f"samples {step_counts.samples} padding {step_counts.padding_ratio:.1%} "
+                f"tok/s {record['tokens_per_s']:.0f}")
+
+    def _write_record_files(self, ledgers: list[RecordLedger]) -> None:
+        """``dropped_records.jsonl`` beside the summary: every record the run's epochs planned not to train, with
+        its reason (a million ids do not belong inline); ``bad_records.jsonl`` is kept current as faults appear."""
+        records = self.dataset.records
+        with open(self.output_dir / DROPPED_RECORDS, "w") as handle:
+            for ledger in ledgers:
+                dropped = self.dataset.dropped_records(self.specs.train.micro_batch_size, ledger.epoch)
+                for index, reason in sorted(dropped.items()):
+                    handle.write(json.dumps({"epoch": ledger.epoch, "origin": records[index].origin,
+                                             "record_id": records[index].record_id, "reason": reason}) + "\n")
+        self.bad_records.write(self.bad_records_path)
+
+    def _summary(self, state: RunState, totals: TokenAccounting, ledgers: list[RecordLedger],
+                 steps_per_rank: list[int], seconds: float) -> dict:
         losses = state.losses
+        report = self.bad_records
         head = losses[: max(1, len(losses) // 10)]
         tail = losses[-max(1, len(losses) // 10):]
         return {
@@ -252,6 +327,10 @@ class Trainer:
             "loss_last": tail and sum(tail) / len(tail),
             "losses": losses,
             "totals": totals.to_dict(),
+            "records": {"read": report.records_read, "bad": dict(report.counts()), "bad_total": report.count,
+                        "bad_fraction": report.fraction(), "bad_records_file": str(self.bad_records_path),
+                        "dropped_records_file": str(self.output_dir / DROPPED_RECORDS)},
+            "epochs": [ledger.to_dict() for ledger in ledgers],
             "output_dir": str(self.output_dir),
         }
 
@@ -279,7 +358,12 @@ def run_recipe(cfg: DictConfig, recipe: Recipe) -> dict:
         trainer = Trainer(cfg, recipe)
     except ConfigError as err:
         raise SystemExit(f"config error: {err}") from None
-    return trainer.run()
+    except (MLLMRecordError, TooManyBadRecords) as err:
+        raise SystemExit(f"data error: {err}") from None
+    try:
+        return trainer.run()
+    except TooManyBadRecords as err:  # found while decoding; every rank stops here at the same step
+        raise SystemExit(f"data error: {err}") from None
 
 
 def hydra_main(recipe: Recipe):

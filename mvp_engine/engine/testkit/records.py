@@ -111,3 +111,61 @@ def write_mixed_jsonl(directory: Path, num_records: int = 11) -> Path:
     path = directory / "mixed.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return path
+
+
+def _truncated_png(path: Path, seed: int) -> str:
+    """A PNG whose header reads fine but whose body is cut: only decoding finds the fault."""
+    write_image(path, 64, 64, seed)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    return str(path)
+
+
+# fault class -> what the record looks like (LLaVA style); images are written by write_messy_jsonl
+MESSY_FAULTS = ("invalid_json", "invalid_record", "missing_image", "empty_turn", "leading_assistant",
+                "unplaced_image", "conflicting_system", "unreadable_image", "corrupt_image")
+
+
+def _messy_line(i: int, fault: str | None, images: dict[str, str], directory: Path) -> str:
+    ask = {"from": "human", "value": f"<image>\nWhat is shape {i}?"}
+    answer = {"from": "gpt", "value": f"Shape number {i} is a square."}
+    record: dict = {"id": f"rec{i}", "image": images["square"], "conversations": [ask, answer]}
+    if fault is None and i % 3 == 0:
+        record = {"id": f"rec{i}", "conversations": [{"from": "human", "value": f"Say {i}."}, answer]}
+    elif fault == "invalid_json":
+        return json.dumps({"id": f"rec{i}"})[:-1] + ', "conversations": ['  # cut mid-record
+    elif fault == "invalid_record":
+        record = {"id": f"rec{i}", "dialogue": []}
+    elif fault == "missing_image":
+        record["image"] = str(directory / "images" / f"absent{i}.png")
+    elif fault == "empty_turn":
+        record["conversations"] = [ask, {"from": "gpt", "value": "   \n"}]
+    elif fault == "leading_assistant":
+        record["conversations"] = [answer, ask, answer]
+    elif fault == "unplaced_image":
+        record = {"id": f"rec{i}", "images": [images["square"], images["wide"]], "conversations": [ask, answer]}
+    elif fault == "conflicting_system":
+        record["system"] = "Be brief."
+        record["conversations"] = [{"from": "system", "value": "Be verbose."}, ask, answer]
+    elif fault == "unreadable_image":
+        garbage = directory / "images" / f"garbage{i}.png"
+        garbage.write_bytes(b"not an image at all")
+        record["image"] = str(garbage)
+    elif fault == "corrupt_image":
+        record["image"] = _truncated_png(directory / "images" / f"cut{i}.png", i)
+    return json.dumps(record)
+
+
+def write_messy_jsonl(directory: Path, num_records: int = 300, bad_every: int = 3) -> tuple[Path, dict[str, str]]:
+    """A LLaVA-style JSONL mix where every ``bad_every``-th record carries one of :data:`MESSY_FAULTS` in turn
+    (image and text-only records otherwise). Returns the file and the expected fault of each bad record by origin."""
+    images = write_images(directory / "images")
+    path = directory / "messy.jsonl"
+    expected, lines = {}, []
+    for i in range(num_records):
+        fault = MESSY_FAULTS[(i // bad_every) % len(MESSY_FAULTS)] if i % bad_every == bad_every - 1 else None
+        lines.append(_messy_line(i, fault, images, directory))
+        if fault:
+            expected[f"{path}:{i + 1}"] = fault
+    path.write_text("".join(line + "\n" for line in lines))
+    return path, expected

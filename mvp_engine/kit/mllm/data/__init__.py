@@ -1,6 +1,6 @@
 """The generic, model-free DataKit: records -> samples -> packs -> batches, with honest accounting."""
 
-from .accounting import TokenAccounting
+from .accounting import RecordLedger, TokenAccounting
 from .assembler import (
     BestFitDecreasingAssembler,
     GreedyAssembler,
@@ -9,6 +9,7 @@ from .assembler import (
     PackPlan,
     SingleSampleAssembler,
 )
+from .bad_records import BadRecord, BadRecordReport, TooManyBadRecords
 from .chat import ChatTemplateEncoder
 from .collator import MLLMCollator
 from .dataset import EpochPlan, MLLMDataKit, MLLMPackedDataset, MLLMStreamingPackedDataset
@@ -21,6 +22,10 @@ from .spec import MLLMDataSpec, MLLMPackingSpec
 from .steps import estimate_total_steps, micro_batches_per_rank, optimizer_steps, packs_per_rank
 
 __all__ = [
+    "BadRecord",
+    "BadRecordReport",
+    "RecordLedger",
+    "TooManyBadRecords",
     "IGNORE_INDEX",
     "BestFitDecreasingAssembler",
     "ChatTemplateEncoder",

@@ -83,3 +83,31 @@ class TokenAccounting:
         out["padding_ratio"] = self.padding_ratio
         out["attention_work_ratio"] = self.attention_work_ratio
         return out
+
+
+@dataclass
+class RecordLedger:
+    """Where every record read in one epoch went, so the totals reconcile: ``records_read == samples_trained +
+    dropped + bad``. ``samples_trained`` is counted from the batches actually trained (``source_sample_num``), never
+    computed by subtraction; ``truncated`` counts trained samples cut to fit (they are trained, and counted once)."""
+
+    epoch: int
+    records_read: int
+    samples_trained: int = 0
+    dropped: Counter = field(default_factory=Counter)
+    bad: Counter = field(default_factory=Counter)
+    truncated: int = 0
+
+    @property
+    def reconciles(self) -> bool:
+        return self.records_read == self.samples_trained + sum(self.dropped.values()) + sum(self.bad.values())
+
+    def to_dict(self) -> dict:
+        return {"epoch": self.epoch, "records_read": self.records_read, "samples_trained": self.samples_trained,
+                "dropped": dict(self.dropped), "bad": dict(self.bad), "truncated": self.truncated,
+                "reconciles": self.reconciles}
+
+    @classmethod
+    def from_dict(cls, values: dict) -> RecordLedger:
+        return cls(values["epoch"], values["records_read"], values["samples_trained"], Counter(values["dropped"]),
+                   Counter(values["bad"]), values["truncated"])

@@ -24,7 +24,7 @@ import torch
 from PIL import Image
 
 from .images import load_image, read_image_size
-from .sample import IGNORE_INDEX, MLLMRecord, MLLMSample, SampleMeta
+from .sample import IGNORE_INDEX, MLLMRecord, MLLMSample, SampleMeta, first_supervised_index
 from .sources import MLLMRecordError
 
 ROLES = ("system", "user", "assistant")
@@ -70,7 +70,8 @@ class ChatTemplateEncoder:
             try:
                 media, counts = self.encode_images(images)
             except Exception as err:  # noqa: BLE001 - any processor failure is a bad record
-                raise ValueError(f"{record.origin}: image preprocessing failed: {err}") from err
+                raise MLLMRecordError(f"{record.origin}: image preprocessing failed: {err}", "image_rejected",
+                                      record_id=record.record_id) from err
         input_ids, labels = self._layout(record, counts)
         return MLLMSample(
             input_ids=input_ids,
@@ -85,47 +86,50 @@ class ChatTemplateEncoder:
     def measure(self, record: MLLMRecord) -> SampleMeta:
         self._validate(record)
         counts = [self._header_token_count(record, path) for path in record.image_paths]
-        input_ids, _ = self._layout(record, counts)
-        return SampleMeta(length=int(input_ids.numel()), num_media=len(counts), media_end=self._media_end(input_ids))
+        input_ids, labels = self._layout(record, counts)
+        return SampleMeta(length=int(input_ids.numel()), num_media=len(counts), media_end=self._media_end(input_ids),
+                          first_supervised=first_supervised_index(labels))
 
     # ------------------------------------------------------------------------------------------------- helpers
 
     def _validate(self, record: MLLMRecord) -> None:
         if not isinstance(record.messages, list) or not record.messages:
-            raise ValueError(f"{record.origin}: record {record.record_id!r} has no messages")
+            raise self._bad(record, "has no messages")
         for i, message in enumerate(record.messages):
             role = message.get("role") if isinstance(message, dict) else None
             if role not in ROLES:
-                raise ValueError(f"{record.origin}: message {i} has role {role!r}, expected one of {ROLES}")
+                raise self._bad(record, f"message {i} has role {role!r}, expected one of {ROLES}")
             content = message.get("content")
             if not isinstance(content, list):
-                raise ValueError(f"{record.origin}: message {i} content must be a list of parts")
+                raise self._bad(record, f"message {i} content must be a list of parts")
             for part in content:
                 kind = part.get("type") if isinstance(part, dict) else None
                 if kind == "text" and isinstance(part.get("text"), str):
                     if any(token in part["text"] for token in self._special_tokens):
-                        raise ValueError(f"{record.origin}: message {i} text contains a special token literally")
+                        raise self._bad(record, f"message {i} text contains a special token literally",
+                                        "special_token_text")
                     continue
                 if kind == "image" and isinstance(part.get("path"), str) and part["path"]:
                     continue
-                raise ValueError(f"{record.origin}: message {i} has an unsupported part {part!r}")
+                raise self._bad(record, f"message {i} has an unsupported part {part!r}")
 
     def _load_image(self, record: MLLMRecord, path: str) -> Image.Image:
         try:
             return load_image(path)
         except MLLMRecordError as err:
-            raise ValueError(f"{record.origin}: {err}") from None
+            raise self._bad(record, str(err), err.reason) from None
 
     def _header_token_count(self, record: MLLMRecord, path: str) -> int:
         """Token count from the file header alone (``Image.open`` reads the size without decoding)."""
         try:
             width, height = read_image_size(path)
         except MLLMRecordError as err:
-            raise ValueError(f"{record.origin}: {err}") from None
+            raise self._bad(record, str(err), err.reason) from None
         try:
             return int(self.image_token_count(width, height))
-        except Exception as err:  # noqa: BLE001
-            raise ValueError(f"{record.origin}: cannot read image {path!r}: {err}") from err
+        except Exception as err:  # noqa: BLE001 - the processor refuses this size (e.g. an extreme aspect ratio)
+            raise self._bad(record, f"image {path!r} ({width}x{height}) refused by the image processor: {err}",
+                            "image_rejected") from err
 
     def _render(self, messages: list[dict], counts: list[int]) -> str:
         """The chat-template text of ``messages`` with the i-th placeholder repeated ``counts[i]`` times."""
@@ -164,7 +168,7 @@ class ChatTemplateEncoder:
         try:
             full, spans = self._assistant_spans(record.messages, counts)
         except ValueError as err:
-            raise ValueError(f"{record.origin}: {err}") from err
+            raise self._bad(record, str(err), "template_error") from err
         encoded = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
         input_ids = torch.tensor(encoded["input_ids"], dtype=torch.long)
         offsets = torch.tensor(encoded["offset_mapping"], dtype=torch.long).view(-1, 2)
@@ -175,11 +179,15 @@ class ChatTemplateEncoder:
         labels = torch.where(supervised, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
         n_placeholders = int((input_ids == self.image_token_id).sum())
         if n_placeholders != sum(counts):
-            raise ValueError(
-                f"{record.origin}: {n_placeholders} image tokens in the text but the images need {sum(counts)} "
-                f"(a literal {self.image_token} in a text part?)"
-            )
+            raise self._bad(record, f"{n_placeholders} image tokens in the text but the images need {sum(counts)} "
+                            f"(a literal {self.image_token} in a text part?)", "image_token_mismatch")
         return input_ids, labels
+
+    @staticmethod
+    def _bad(record: MLLMRecord, what: str, reason: str = "invalid_record") -> MLLMRecordError:
+        """A bad-record error naming the record (origin and id) with its fault class."""
+        return MLLMRecordError(f"{record.origin}: record {record.record_id!r}: {what}", reason,
+                               record_id=record.record_id)
 
     def _media_end(self, input_ids: torch.Tensor) -> int:
         positions = (input_ids == self.image_token_id).nonzero()

@@ -12,7 +12,7 @@ from .pack import TOKEN_FIELDS
 from .sample import IGNORE_INDEX
 
 NON_MEDIA_FIELDS = set(TOKEN_FIELDS) | {"source_sample_num", "cu_seqlens", "max_seqlen", "media_tokens",
-                                        "sample_ids", "media_segment_ids"}
+                                        "sample_ids", "media_segment_ids", "bad_records"}
 
 
 class MLLMCollator:
@@ -57,6 +57,8 @@ class MLLMCollator:
         batch["source_sample_num"] = torch.tensor([row["source_sample_num"] for row in rows], dtype=torch.long)
         batch["media_tokens"] = torch.tensor([row["media_tokens"] for row in rows], dtype=torch.long)
         batch["sample_ids"] = [row["sample_ids"] for row in rows]
+        # samples a decoding fault took out of their packs, travelling to the trainer (which may be another process)
+        batch["bad_records"] = [bad for row in rows for bad in row.get("bad_records", ())]
         media_keys = sorted({key for row in rows for key in row if key not in NON_MEDIA_FIELDS})
         batch.update(MLLMMediaHandler.merge_batch(rows, media_keys))
         return batch

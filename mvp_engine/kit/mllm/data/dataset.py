@@ -14,23 +14,27 @@ from functools import cached_property
 import numpy as np
 from torch.utils.data import Dataset, IterableDataset, Subset, get_worker_info
 
+from .accounting import RecordLedger
 from .assembler import MLLMPackingAssembler, OverlongSampleError
+from .bad_records import BadRecord, BadRecordReport
 from .media import MLLMMediaHandler
 from .pack import MLLMPack
 from .sample import MLLMRecord, MLLMSampleEncoder, SampleMeta
-from .sources import read_records
+from .sources import MLLMRecordError, read_records
 from .spec import MLLMDataSpec
 from .steps import estimate_total_steps, micro_batches_per_rank, packs_per_rank
 
 
 @dataclass
 class EpochPlan:
-    """One epoch's packs as record indices, the packed length of each record, and the drops by record."""
+    """One epoch's packs as record indices, the packed length of each record, the drops by record, and the records
+    planned shorter than they are (``overlong=truncate``)."""
 
     epoch: int
     packs: list[list[int]]
     lengths: dict[int, int]
     dropped: dict[int, str]
+    truncated: frozenset[int] = frozenset()
 
     @property
     def drop_counts(self) -> Counter:
@@ -42,7 +46,7 @@ class _PackedDatasetBase:
 
     def __init__(self, records: list[MLLMRecord], encoder: MLLMSampleEncoder, data_spec: MLLMDataSpec,
                  rank: int = 0, world_size: int = 1, drop_last: bool = False,
-                 media_handler: MLLMMediaHandler | None = None):
+                 media_handler: MLLMMediaHandler | None = None, bad_records: BadRecordReport | None = None):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} is invalid for world_size={world_size}")
         self.records = records
@@ -54,13 +58,30 @@ class _PackedDatasetBase:
         self.world_size = world_size
         self.drop_last = drop_last
         self.media_handler = media_handler or MLLMMediaHandler()
+        self.bad_records = bad_records or BadRecordReport(data_spec.on_bad_record, data_spec.max_bad_fraction)
+        if not self.bad_records.records_read:
+            self.bad_records.records_read = len(records)
         self.epoch = 0
         self._plans: dict[int, EpochPlan] = {}
 
     @cached_property
-    def metas(self) -> list[SampleMeta]:
-        """Lengths and media counts of every record, read from text and image headers only."""
-        return [self.encoder.measure(record) for record in self.records]
+    def metas(self) -> list[SampleMeta | None]:
+        """Lengths and media counts of every record, read from text and image headers only; None for a record
+        that cannot be measured, which goes to the bad-record report (or stops the run under ``error``)."""
+        return [self._measure(record) for record in self.records]
+
+    def _measure(self, record: MLLMRecord) -> SampleMeta | None:
+        try:
+            return self.encoder.measure(record)
+        except MLLMRecordError as err:
+            self.bad_records.add_error(err, "measure")
+            return None
+
+    @property
+    def unmeasurable(self) -> dict[int, str]:
+        """Record index -> reason of the records left out because they could not be measured."""
+        return {i: self.bad_records.records[self.records[i].origin].reason
+                for i, meta in enumerate(self.metas) if meta is None}
 
     def record_order(self, epoch: int) -> list[int]:
         if not self.data_spec.shuffle:
@@ -70,7 +91,7 @@ class _PackedDatasetBase:
     def plan(self, epoch: int | None = None) -> EpochPlan:
         epoch = self.epoch if epoch is None else epoch
         if epoch not in self._plans:
-            order = self.record_order(epoch)
+            order = [i for i in self.record_order(epoch) if self.metas[i] is not None]
             metas = [self.metas[i] for i in order]
             try:
                 plan = self.assembler.plan_with_report([m.length for m in metas], [m.num_media for m in metas],
@@ -79,13 +100,31 @@ class _PackedDatasetBase:
                 record = self.records[order[err.index]]
                 raise ValueError(f"{record.origin}: record {record.record_id!r} has {err.length} tokens > "
                                  f"max_seq_len={self.packing_spec.max_seq_len} (overlong=error)") from None
-            self._plans = {epoch: EpochPlan(
-                epoch=epoch,
-                packs=[[order[j] for j in pack] for pack in plan.packs],
-                lengths={order[j]: plan.lengths[j] for pack in plan.packs for j in pack},
-                dropped={order[j]: reason for j, reason in plan.dropped.items()},
-            )}
+            self._plans = {epoch: self._without_untrainable(epoch, order, metas, plan)}
         return self._plans[epoch]
+
+    @staticmethod
+    def _without_untrainable(epoch: int, order: list[int], metas: list[SampleMeta], plan) -> EpochPlan:
+        """The plan in record indices, minus samples a truncation left with no supervised token: they would train
+        nothing yet count as samples, so they are dropped here, at plan time, where step counts are still exact."""
+        dropped = {order[j]: reason for j, reason in plan.dropped.items()}
+        packs = []
+        for pack in plan.packs:
+            kept = []
+            for j in pack:
+                if plan.lengths[j] <= metas[j].first_supervised:
+                    dropped[order[j]] = "no_supervised_tokens"
+                else:
+                    kept.append(j)
+            if kept:
+                packs.append(kept)
+        return EpochPlan(
+            epoch=epoch,
+            packs=[[order[j] for j in pack] for pack in packs],
+            lengths={order[j]: plan.lengths[j] for pack in packs for j in pack},
+            dropped=dropped,
+            truncated=frozenset(order[j] for pack in packs for j in pack if plan.lengths[j] < metas[j].length),
+        )
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -97,27 +136,58 @@ class _PackedDatasetBase:
         mine = packs[self.rank::self.world_size][:count]
         return mine + [[] for _ in range(count - len(mine))]
 
-    def samples_left_out_by_drop_last(self, micro_batch_size: int, epoch: int | None = None) -> int:
-        """Samples of the epoch that no rank trains on: with ``drop_last`` the packs past an even split across ranks
-        and those of a rank's last partial micro-batch (0 without ``drop_last``)."""
+    def left_out_by_drop_last(self, micro_batch_size: int, epoch: int | None = None) -> list[int]:
+        """Records of the epoch's packs that no rank trains on: with ``drop_last`` the packs past an even split
+        across ranks and those of a rank's last partial micro-batch (none without ``drop_last``)."""
         packs = self.plan(epoch).packs
         served = micro_batches_per_rank(len(packs), micro_batch_size, self.world_size, self.drop_last) \
             * micro_batch_size
         served_packs = {k for rank in range(self.world_size)
                         for k in range(rank, len(packs), self.world_size)[:served]}
-        return sum(len(pack) for k, pack in enumerate(packs) if k not in served_packs)
+        return [i for k, pack in enumerate(packs) if k not in served_packs for i in pack]
+
+    def samples_left_out_by_drop_last(self, micro_batch_size: int, epoch: int | None = None) -> int:
+        return len(self.left_out_by_drop_last(micro_batch_size, epoch))
+
+    def dropped_records(self, micro_batch_size: int, epoch: int | None = None) -> dict[int, str]:
+        """Record index -> reason of every record the epoch plans not to train (bad records aside)."""
+        dropped = dict(self.plan(epoch).dropped)
+        dropped.update((i, "drop_last") for i in self.left_out_by_drop_last(micro_batch_size, epoch))
+        return dropped
+
+    def epoch_ledger(self, micro_batch_size: int, epoch: int | None = None) -> RecordLedger:
+        """The epoch's record ledger as planned: records read, drops and truncations by the plan, bad records
+        found before training. The trainer adds what it trains and the faults found while decoding."""
+        plan = self.plan(epoch)
+        report = self.bad_records
+        return RecordLedger(
+            epoch=plan.epoch,
+            records_read=report.records_read,
+            dropped=Counter(self.dropped_records(micro_batch_size, epoch).values()),
+            bad=report.counts("read") + report.counts("measure"),
+            truncated=len(plan.truncated - set(self.left_out_by_drop_last(micro_batch_size, epoch))),
+        )
 
     def encode_pack(self, record_indices: list[int], epoch: int | None = None) -> dict:
+        """The pack's model inputs plus ``bad_records``: samples whose decoding failed (a corrupt image body, a
+        decompression bomb) leave the pack, which is still served so every rank keeps in step; the trainer
+        counts and reports them (this may run in a DataLoader worker, whose own report nobody would read)."""
         lengths = self.plan(epoch).lengths
-        samples = []
+        samples, bad = [], []
         for i in record_indices:
             record = self.records[i]
-            sample = self.encoder.encode(record)
+            try:
+                sample = self.encoder.encode(record)
+            except MLLMRecordError as err:
+                bad.append(BadRecord.from_error(err, "decode").to_dict())
+                continue
             if sample.length != self.metas[i].length:
                 raise ValueError(f"{record.origin}: encoder.measure gave {self.metas[i].length} tokens but encode "
                                  f"produced {sample.length}; the encoder breaks the measure/encode contract")
             samples.append(sample.truncated(lengths[i]) if lengths[i] < sample.length else sample)
-        return MLLMPack(samples, self.media_handler).to_model_inputs()
+        inputs = MLLMPack(samples, self.media_handler).to_model_inputs()
+        inputs["bad_records"] = bad
+        return inputs
 
     def estimate_total_steps(self, epochs: int, micro_batch_size: int, gradient_accumulation_steps: int = 1) -> int:
         """Optimizer steps of ``epochs`` epochs from ``start_epoch`` 0, planned epoch by epoch."""
@@ -187,20 +257,34 @@ class MLLMDataKit:
     """Entry point: data spec + a recipe's encoder -> a dataset of packs (or single samples)."""
 
     @staticmethod
-    def read_records(data_spec: MLLMDataSpec) -> list[MLLMRecord]:
+    def read_records(data_spec: MLLMDataSpec, bad_records: BadRecordReport | None = None) -> list[MLLMRecord]:
+        """Every usable record of the sources; with a report under ``on_bad_record=skip`` a bad record is recorded
+        there and reading goes on, otherwise the first one raises (its message names ``file:line``)."""
         if not data_spec.sources:
             raise ValueError("data.sources is empty: give at least one JSON/JSONL file")
-        return [record for source in data_spec.sources for record in read_records(source, data_spec.image_root)]
+        on_bad = None
+        if bad_records is not None and bad_records.policy == "skip":
+            def on_bad(err: MLLMRecordError) -> None:
+                bad_records.add_error(err, "read")
+        records = [record for source in data_spec.sources
+                   for record in read_records(source, data_spec.image_root, on_bad=on_bad,
+                                              allow_leading_assistant=data_spec.allow_leading_assistant)]
+        if bad_records is not None:
+            bad_records.records_read = len(records) + bad_records.count
+        return records
 
     @staticmethod
     def build_dataset(data_spec: MLLMDataSpec, encoder: MLLMSampleEncoder, rank: int = 0, world_size: int = 1,
                       drop_last: bool = False, records: list[MLLMRecord] | None = None,
-                      media_handler: MLLMMediaHandler | None = None) -> MLLMPackedDataset | MLLMStreamingPackedDataset:
-        records = MLLMDataKit.read_records(data_spec) if records is None else records
+                      media_handler: MLLMMediaHandler | None = None,
+                      bad_records: BadRecordReport | None = None) -> MLLMPackedDataset | MLLMStreamingPackedDataset:
+        """The dataset of packs; ``bad_records`` collects the records left out (made from the spec's policy when
+        not given, and reachable as ``dataset.bad_records``)."""
+        bad_records = bad_records or BadRecordReport(data_spec.on_bad_record, data_spec.max_bad_fraction)
+        records = MLLMDataKit.read_records(data_spec, bad_records) if records is None else records
         packing = data_spec.packing
         streaming = packing is not None and packing.assembler_cls is None and (
             packing.strategy == "greedy" or packing.buffer_size < len(records))
         cls = MLLMStreamingPackedDataset if streaming else MLLMPackedDataset
         return cls(records, encoder, data_spec, rank=rank, world_size=world_size, drop_last=drop_last,
-                   media_handler=media_handler)
-
+                   media_handler=media_handler, bad_records=bad_records)

@@ -5,12 +5,17 @@ Both functions agree on orientation: :func:`load_image` shows the image upright 
 orientations that rotate by 90/270 degrees. Both read the orientation from the same header-only place, by one
 helper, so they agree by construction. That agreement is what lets a recipe's ``measure`` (sizes only)
 predict exactly what ``encode`` (pixels) will produce, so a whole epoch is planned without decoding an image.
+
+Failures are :class:`MLLMRecordError` s whose message starts with the path and whose ``reason`` says what went
+wrong: ``missing_image``, ``decompression_bomb`` (Pillow's pixel limit, checked when the file is opened, so both
+functions see it), else ``unreadable_image`` for a header and ``corrupt_image`` for pixels.
 """
 
 from __future__ import annotations
 
 import os
 
+import numpy as np
 from PIL import Image
 
 from mvp_engine.kit.mllm.data.sources import MLLMRecordError
@@ -38,7 +43,7 @@ def read_image_size(path: str | os.PathLike) -> tuple[int, int]:
             width, height = image.size
             orientation = _header_orientation(image)
     except _IMAGE_ERRORS as exc:
-        raise MLLMRecordError(f"{os.fspath(path)}: cannot read image header: {exc}") from None
+        raise _image_error(path, "read image header", exc, "unreadable_image") from None
     if orientation in _SWAPS_SIDES:
         width, height = height, width
     return width, height
@@ -48,12 +53,15 @@ def load_image(path: str | os.PathLike) -> Image.Image:
     """The image fully decoded as RGB, EXIF rotation applied, the file closed.
 
     Transparent images are composited over white, not stripped of alpha: dropping alpha exposes whatever
-    colour the transparent pixels happen to hold (often black), which is not what the image shows.
+    colour the transparent pixels happen to hold (often black), which is not what the image shows. 16-bit
+    greyscale is scaled to 8 bits (Pillow's own conversion clips it at 255, turning almost every pixel white).
     """
     try:
         with Image.open(path) as image:
             orientation = _header_orientation(image)
             image.load()
+            if image.mode == "I" or image.mode.startswith("I;16"):
+                image = _scaled_to_8_bit(image)
             if orientation in _UPRIGHT:
                 image = image.transpose(_UPRIGHT[orientation])
             if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
@@ -62,7 +70,22 @@ def load_image(path: str | os.PathLike) -> Image.Image:
                 return Image.alpha_composite(background, rgba).convert("RGB")
             return image.convert("RGB")
     except _IMAGE_ERRORS as exc:
-        raise MLLMRecordError(f"{os.fspath(path)}: cannot load image: {exc}") from None
+        raise _image_error(path, "load image", exc, "corrupt_image") from None
+
+
+def _image_error(path: str | os.PathLike, action: str, exc: Exception, reason: str) -> MLLMRecordError:
+    """The error for an image Pillow refused; a missing file and a decompression bomb keep their own reasons."""
+    if isinstance(exc, FileNotFoundError):
+        reason = "missing_image"
+    elif isinstance(exc, Image.DecompressionBombError):
+        reason = "decompression_bomb"
+    return MLLMRecordError(f"{os.fspath(path)}: cannot {action}: {exc}", reason)
+
+
+def _scaled_to_8_bit(image: Image.Image) -> Image.Image:
+    """Greyscale ``L`` from 16-bit values (``I;16*``, or ``I`` as Pillow decodes 16-bit PGM), by their high byte."""
+    values = np.clip(np.asarray(image, dtype=np.int64), 0, 65535) >> 8
+    return Image.fromarray(values.astype(np.uint8))
 
 
 def _header_orientation(image: Image.Image) -> int:

@@ -39,11 +39,21 @@ class SampleMeta:
 
     ``media_end`` is the token index just past the last media placeholder (0 when text-only): a sample may be
     truncated to ``n`` tokens only when ``media_end <= n``, so truncation never cuts through media tokens.
+    ``first_supervised`` is the index of the first supervised token after the first (the first token of a packed
+    segment is never a target), ``length`` when there is none: a sample truncated to ``n <= first_supervised``
+    tokens trains nothing and is dropped at plan time. 0 (an encoder that does not say) never drops.
     """
 
     length: int
     num_media: int = 0
     media_end: int = 0
+    first_supervised: int = 0
+
+
+def first_supervised_index(labels: torch.Tensor) -> int:
+    """:attr:`SampleMeta.first_supervised` of a label row."""
+    supervised = (labels[1:] != IGNORE_INDEX).nonzero()
+    return int(supervised[0]) + 1 if supervised.numel() else int(labels.numel())
 
 
 @dataclass
@@ -79,7 +89,7 @@ class MLLMSample:
 
     @property
     def meta(self) -> SampleMeta:
-        return SampleMeta(self.length, self.num_media, self.media_end)
+        return SampleMeta(self.length, self.num_media, self.media_end, first_supervised_index(self.labels))
 
     def truncated(self, max_len: int) -> MLLMSample:
         """Cut text tokens past ``max_len``; refuses to cut through media placeholders."""

@@ -18,16 +18,30 @@ Normalisation (what every encoder can rely on):
   ``"\\n"`` after a LLaVA ``<image>`` tag stays, as LLaVA-style pipelines keep it). Adjacent text parts are
   joined (chat templates concatenate parts without a separator, so this changes nothing rendered) and empty
   text parts are dropped, so equivalent content in either format yields the same record.
-* A record that has images but no ``<image>`` tag / image slot at all follows the LLaVA convention: all its
-  images go, in order, at the start of the first user turn.
+* A top-level ``"system"`` string (the ShareGPT / LLaMA-Factory convention), in either format, becomes a leading
+  system turn; an empty or whitespace-only one means no system prompt, as those datasets write it. A record that
+  also has its own system turn keeps one when the two are identical and is a bad record otherwise.
+* A record that has images but no ``<image>`` tag / image slot / image part at all follows the LLaVA convention:
+  all its images go, in order, at the start of the first user turn. A record that places some images but leaves
+  a top-level image without a slot is a bad record (the image would land where its author did not put it).
+* A turn holding only whitespace text (and no image) is as empty as ``""`` and makes a bad record; text that is
+  not blank is never stripped.
+* The first turn after the system prompt must be a user turn (a leading assistant turn trains an answer to
+  nothing), unless ``allow_leading_assistant`` is set.
 * Relative image paths are resolved against ``image_root`` (default: the data file's directory) and made
   absolute; every image file must exist.
 * ``record_id`` is the record's ``id`` (string or integer) or, without one, its origin.
 
-Every problem raises :class:`MLLMRecordError` whose message starts with the record's origin (``file:line``),
-so a bad record in a million-line file can be found at once; no bare ``KeyError``/``TypeError`` escapes.
-In a ``.json`` file the origin line is the line where the record starts; when several records start on the
-same line (minified JSON), ``#N`` (1-based record index) is appended.
+Every problem is an :class:`MLLMRecordError` whose message starts with the record's origin (``file:line``),
+so a bad record in a million-line file can be found at once; no bare ``KeyError``/``TypeError`` escapes. Its
+``reason`` names the fault class and ``record_id`` the record's ``id`` when it has one. In a ``.json`` file the
+origin line is the line where the record starts; when several records start on the same line (minified JSON),
+``#N`` (1-based record index) is appended.
+
+Real datasets carry broken records, so :func:`read_records` takes ``on_bad``: each bad record (a line that is
+not UTF-8 or not JSON, or a record :func:`parse_record` refuses) goes to it and reading goes on with the next
+record; without ``on_bad`` the first one is raised. A ``.json`` document that does not parse cannot be resynced
+and is always raised, as are file-level problems (reason ``invalid_source``: a config error, not a bad record).
 """
 
 from __future__ import annotations
@@ -35,7 +49,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,16 +73,24 @@ class MLLMRecordError(ValueError):
     ``skills/kit/mllm-data-kit/references/bad_records.md``).
     """
 
-    def __init__(self, message: str, reason: str = "invalid_record"):
+    def __init__(self, message: str, reason: str = "invalid_record", *, record_id: str | None = None):
         super().__init__(message)
         self.reason = reason
+        self.record_id = record_id
 
 
-def read_records(path: str | os.PathLike, image_root: str | os.PathLike | None = None) -> Iterator[MLLMRecord]:
+def read_records(
+    path: str | os.PathLike,
+    image_root: str | os.PathLike | None = None,
+    *,
+    allow_leading_assistant: bool = False,
+    on_bad: Callable[[MLLMRecordError], None] | None = None,
+) -> Iterator[MLLMRecord]:
     """Yield the records of a ``.json`` (list of records) or ``.jsonl`` (one per line) file, validated.
 
     Lazy for JSONL (one line at a time, so huge files stream); a ``.json`` file is parsed whole, as JSON
-    requires. Blank JSONL lines are skipped.
+    requires. Blank JSONL lines are skipped. A bad record goes to ``on_bad`` and reading continues; without
+    ``on_bad`` it is raised.
     """
     path = Path(path)
     name = str(path)
@@ -76,16 +98,37 @@ def read_records(path: str | os.PathLike, image_root: str | os.PathLike | None =
     root = Path(os.path.abspath(root))
     suffix = path.suffix.lower()
     if suffix not in (".json", ".jsonl"):
-        raise MLLMRecordError(f"{name}: unsupported file type {path.suffix!r} (expected .json or .jsonl)")
+        raise MLLMRecordError(
+            f"{name}: unsupported file type {path.suffix!r} (expected .json or .jsonl)", "invalid_source"
+        )
     if not path.is_file():
-        raise MLLMRecordError(f"{name}: data file not found")
-    raw_records = _iter_jsonl(path, name) if suffix == ".jsonl" else _iter_json(path, name)
+        raise MLLMRecordError(f"{name}: data file not found", "invalid_source")
+    raw_records = _iter_jsonl(path, name, on_bad) if suffix == ".jsonl" else _iter_json(path, name)
     for origin, raw in raw_records:
-        yield parse_record(raw, origin, root)
+        try:
+            record = parse_record(raw, origin, root, allow_leading_assistant)
+        except MLLMRecordError as err:
+            _bad(err, on_bad)
+            continue
+        yield record
 
 
-def parse_record(raw: Any, origin: str, image_root: str | os.PathLike) -> MLLMRecord:
-    """Validate one decoded JSON value and normalise it to an :class:`MLLMRecord` (see module docstring)."""
+def parse_record(
+    raw: Any, origin: str, image_root: str | os.PathLike, allow_leading_assistant: bool = False
+) -> MLLMRecord:
+    """Validate one decoded JSON value and normalise it to an :class:`MLLMRecord` (see module docstring).
+
+    The error carries the record's ``id`` when it has a usable one, so a report can name the record.
+    """
+    try:
+        return _parse_record(raw, origin, image_root, allow_leading_assistant)
+    except MLLMRecordError as err:
+        if err.record_id is None:
+            err.record_id = _given_id(raw)
+        raise
+
+
+def _parse_record(raw: Any, origin: str, image_root, allow_leading_assistant: bool) -> MLLMRecord:
     if not isinstance(raw, dict):
         raise MLLMRecordError(f"{origin}: record is not a JSON object (got {_json_type(raw)})")
     has_llava, has_openai = "conversations" in raw, "messages" in raw
@@ -98,32 +141,44 @@ def parse_record(raw: Any, origin: str, image_root: str | os.PathLike) -> MLLMRe
         )
     images = [_resolve_image(p, origin, image_root) for p in _top_level_images(raw, origin)]
     messages = _llava_messages(raw, origin) if has_llava else _openai_messages(raw, origin, image_root)
-    _check_roles(messages, origin)
+    messages = _with_top_level_system(raw, messages, origin)
+    _check_roles(messages, origin, allow_leading_assistant)
     _fill_slots(messages, images, origin)
     messages = [{"role": m["role"], "content": _merge_text(m["content"])} for m in messages]
     for index, message in enumerate(messages, start=1):
-        if not message["content"]:
-            raise MLLMRecordError(f"{origin}: turn {index} ({message['role']}) is empty")
+        if all(part["type"] == "text" and not part["text"].strip() for part in message["content"]):
+            raise MLLMRecordError(f"{origin}: turn {index} ({message['role']}) is empty", "empty_turn")
     return MLLMRecord(record_id=_record_id(raw, origin), origin=origin, messages=messages)
 
 
 # --- files -------------------------------------------------------------------------------------------------
 
 
-def _iter_jsonl(path: Path, name: str) -> Iterator[tuple[str, Any]]:
+def _bad(err: MLLMRecordError, on_bad: Callable[[MLLMRecordError], None] | None) -> None:
+    """Hand a bad record to ``on_bad`` so reading can go on, or raise it when there is none."""
+    if on_bad is None:
+        raise err from None
+    on_bad(err)
+
+
+def _iter_jsonl(path: Path, name: str, on_bad) -> Iterator[tuple[str, Any]]:
+    """Decoded lines; a line that is not UTF-8 or not JSON is one bad record, the next line starts afresh."""
     with path.open("rb") as handle:
         for line_no, line in enumerate(handle, start=1):
             origin = f"{name}:{line_no}"
             try:
                 text = line.decode("utf-8")
             except UnicodeDecodeError as exc:
-                raise MLLMRecordError(f"{origin}: line is not valid UTF-8 ({exc})") from None
+                _bad(MLLMRecordError(f"{origin}: line is not valid UTF-8 ({exc})", "invalid_utf8"), on_bad)
+                continue
             if not text.strip():
                 continue
             try:
-                yield origin, json.loads(text)
+                value = json.loads(text)
             except json.JSONDecodeError as exc:
-                raise MLLMRecordError(f"{origin}: invalid JSON: {exc.msg} (column {exc.colno})") from None
+                _bad(MLLMRecordError(f"{origin}: invalid JSON: {exc.msg} (column {exc.colno})", "invalid_json"), on_bad)
+                continue
+            yield origin, value
 
 
 def _iter_json(path: Path, name: str) -> Iterator[tuple[str, Any]]:
@@ -131,7 +186,7 @@ def _iter_json(path: Path, name: str) -> Iterator[tuple[str, Any]]:
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
-        raise MLLMRecordError(f"{name}: file is not valid UTF-8 ({exc})") from None
+        raise MLLMRecordError(f"{name}: file is not valid UTF-8 ({exc})", "invalid_utf8") from None
     decoder = json.JSONDecoder()
     ws = re.compile(r"[ \t\n\r]*")
 
@@ -140,15 +195,17 @@ def _iter_json(path: Path, name: str) -> Iterator[tuple[str, Any]]:
 
     def fail(pos: int, what: str) -> MLLMRecordError:
         line = text.count("\n", 0, pos) + 1
-        return MLLMRecordError(f"{name}:{line}: invalid JSON: {what}")
+        return MLLMRecordError(f"{name}:{line}: invalid JSON: {what}", "invalid_json")
 
     pos = skip(0)
     if pos >= len(text) or text[pos] != "[":
         try:
             value = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise MLLMRecordError(f"{name}:{exc.lineno}: invalid JSON: {exc.msg} (column {exc.colno})") from None
-        raise MLLMRecordError(f"{name}:1: a .json data file must hold a list of records, got {_json_type(value)}")
+            raise _json_error(name, exc) from None
+        raise MLLMRecordError(
+            f"{name}:1: a .json data file must hold a list of records, got {_json_type(value)}", "invalid_source"
+        )
     starts: list[tuple[int, Any]] = []
     pos = skip(pos + 1)
     if pos < len(text) and text[pos] == "]":
@@ -158,7 +215,7 @@ def _iter_json(path: Path, name: str) -> Iterator[tuple[str, Any]]:
             try:
                 value, end = decoder.raw_decode(text, pos)
             except json.JSONDecodeError as exc:
-                raise MLLMRecordError(f"{name}:{exc.lineno}: invalid JSON: {exc.msg} (column {exc.colno})") from None
+                raise _json_error(name, exc) from None
             starts.append((pos, value))
             pos = skip(end)
             if pos < len(text) and text[pos] == ",":
@@ -179,6 +236,10 @@ def _iter_json(path: Path, name: str) -> Iterator[tuple[str, Any]]:
     for index, ((_, value), ln) in enumerate(zip(starts, lines, strict=True), start=1):
         origin = f"{name}:{ln}#{index}" if ln in shared else f"{name}:{ln}"
         yield origin, value
+
+
+def _json_error(name: str, exc: json.JSONDecodeError) -> MLLMRecordError:
+    return MLLMRecordError(f"{name}:{exc.lineno}: invalid JSON: {exc.msg} (column {exc.colno})", "invalid_json")
 
 
 # --- formats -----------------------------------------------------------------------------------------------
@@ -257,7 +318,28 @@ def _openai_part(part: Any, where: str, image_root) -> list:
 # --- validation and normalisation --------------------------------------------------------------------------
 
 
-def _check_roles(messages: list[dict], origin: str) -> None:
+def _with_top_level_system(raw: dict, messages: list[dict], origin: str) -> list[dict]:
+    """``messages`` led by the record's top-level ``system`` string, read as a system turn would be."""
+    system = raw.get("system")
+    if system is None:
+        return messages
+    if not isinstance(system, str):
+        raise MLLMRecordError(f"{origin}: 'system' must be a string, got {_json_type(system)}")
+    if not system.strip():
+        return messages
+    parts = _split_tags(system)
+    if messages and messages[0]["role"] == "system":
+        if _merge_text(messages[0]["content"]) != _merge_text(parts):
+            raise MLLMRecordError(
+                f"{origin}: top-level 'system' {system[:80]!r} differs from the record's own system turn; "
+                "give one system prompt",
+                "conflicting_system",
+            )
+        return messages
+    return [{"role": "system", "content": parts}, *messages]
+
+
+def _check_roles(messages: list[dict], origin: str, allow_leading_assistant: bool) -> None:
     if not messages:
         raise MLLMRecordError(f"{origin}: empty conversation")
     for index, message in enumerate(messages[1:], start=2):
@@ -271,16 +353,29 @@ def _check_roles(messages: list[dict], origin: str) -> None:
         )
     if not any(m["role"] == "user" for m in messages):
         raise MLLMRecordError(f"{origin}: no user turn")
+    first = next(m for m in messages if m["role"] != "system")
+    if first["role"] == "assistant" and not allow_leading_assistant:
+        raise MLLMRecordError(
+            f"{origin}: conversation opens with an assistant turn (set allow_leading_assistant to train on it)",
+            "leading_assistant",
+        )
 
 
 def _fill_slots(messages: list[dict], images: list[str], origin: str) -> None:
-    """Put the top-level images into their slots, or at the start of the first user turn if there are none."""
+    """Put the top-level images into their slots, or at the start of the first user turn if nothing is placed."""
     slots = sum(1 for m in messages for part in m["content"] if part is _SLOT)
-    if slots == 0 and images:
+    placed = slots or any(part is not _SLOT and part["type"] == "image" for m in messages for part in m["content"])
+    if not placed and images:
         first_user = next(m for m in messages if m["role"] == "user")
         first_user["content"] = [_SLOT] * len(images) + first_user["content"]
         slots = len(images)
-    if slots != len(images):
+    if slots < len(images):
+        raise MLLMRecordError(
+            f"{origin}: the record places images but {len(images) - slots} of its {len(images)} top-level image(s) "
+            f"have no {IMAGE_TAG} tag/image slot: {images[slots:]}",
+            "unplaced_image",
+        )
+    if slots > len(images):
         raise MLLMRecordError(
             f"{origin}: {slots} {IMAGE_TAG} tag(s)/image slot(s) but {len(images)} image(s) in the record"
         )
@@ -302,13 +397,14 @@ def _split_tags(text: str) -> list:
     return parts
 
 
-def _merge_text(parts: list[dict]) -> list[dict]:
-    merged: list[dict] = []
+def _merge_text(parts: list) -> list:
+    """Adjacent text parts joined, empty ones dropped; image parts and slots kept in place."""
+    merged: list = []
     for part in parts:
-        if part["type"] == "text":
+        if part is not _SLOT and part["type"] == "text":
             if not part["text"]:
                 continue
-            if merged and merged[-1]["type"] == "text":
+            if merged and merged[-1] is not _SLOT and merged[-1]["type"] == "text":
                 merged[-1] = {"type": "text", "text": merged[-1]["text"] + part["text"]}
                 continue
         merged.append(part)
@@ -338,21 +434,29 @@ def _resolve_image(value: str, where: str, image_root) -> str:
     if value.startswith("file://"):
         value = value[len("file://") :]
     elif re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", value) and not re.match(r"^[A-Za-z]:[\\/]", value):
-        raise MLLMRecordError(f"{where}: image {value[:80]!r} is a URL; only local files are supported")
+        raise MLLMRecordError(
+            f"{where}: image {value[:80]!r} is a URL; only local files are supported", "remote_image"
+        )
     if not value:
         raise MLLMRecordError(f"{where}: empty image path")
     path = os.path.abspath(os.path.join(image_root, value))
     if not os.path.isfile(path):
-        raise MLLMRecordError(f"{where}: image file not found: {path}")
+        raise MLLMRecordError(f"{where}: image file not found: {path}", "missing_image")
     return path
 
 
 def _record_id(raw: dict, origin: str) -> str:
-    if "id" not in raw or raw["id"] is None:
-        return origin
-    value = raw["id"]
+    value = _given_id(raw)
+    if value is None and raw.get("id") is not None:
+        raise MLLMRecordError(f"{origin}: 'id' must be a string or an integer, got {_json_type(raw['id'])}")
+    return origin if value is None else value
+
+
+def _given_id(raw: Any) -> str | None:
+    """The record's usable ``id`` (a string or an integer) as a string, else None."""
+    value = raw.get("id") if isinstance(raw, dict) else None
     if isinstance(value, bool) or not isinstance(value, (str, int)):
-        raise MLLMRecordError(f"{origin}: 'id' must be a string or an integer, got {_json_type(value)}")
+        return None
     return str(value)
 
 
