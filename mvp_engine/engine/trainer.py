@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
-from collections import Counter
 import math
 import time
+from collections import Counter
 from contextlib import nullcontext
 from pathlib import Path
 
