@@ -70,7 +70,8 @@ class MLLMRecordError(ValueError):
     """A training record (or a file or image it names) that cannot be used; the message starts with its origin.
 
     ``reason`` is the fault class the bad-record report counts it under (documented with every other reason in
-    ``skills/kit/mllm-data-kit/references/bad_records.md``).
+    ``skills/kit/mllm-data-kit/references/bad_records.md``); ``record_id`` is the record's own ``id`` when it has
+    a usable one (None otherwise), so the report can name the record as its owner knows it.
     """
 
     def __init__(self, message: str, reason: str = "invalid_record", *, record_id: str | None = None):
@@ -434,9 +435,7 @@ def _resolve_image(value: str, where: str, image_root) -> str:
     if value.startswith("file://"):
         value = value[len("file://") :]
     elif re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", value) and not re.match(r"^[A-Za-z]:[\\/]", value):
-        raise MLLMRecordError(
-            f"{where}: image {value[:80]!r} is a URL; only local files are supported", "remote_image"
-        )
+        raise MLLMRecordError(f"{where}: image {value[:80]!r} is a URL; only local files are supported", "remote_image")
     if not value:
         raise MLLMRecordError(f"{where}: empty image path")
     path = os.path.abspath(os.path.join(image_root, value))
