@@ -53,10 +53,11 @@ def test_a_third_broken_stops_under_the_defaults_with_one_line(messy, tmp_path):
     assert {origin: bad["reason"] for origin, bad in report.items()} == known
 
 
-def test_with_half_allowed_it_trains_to_the_end_and_every_record_is_accounted_for(messy, tmp_path):
+@pytest.mark.parametrize("recipe", ["qwen2_vl", "llava"])
+def test_with_half_allowed_it_trains_to_the_end_and_every_record_is_accounted_for(messy, tmp_path, recipe):
     data, expected = messy
-    cfg = kit.compose_config(RECIPE, [*overrides(data, "data.max_bad_fraction=0.5"), f"train.output_dir={tmp_path}"])
-    summary = Trainer(cfg, kit.load_recipe(RECIPE)).run()
+    cfg = kit.compose_config(recipe, [*overrides(data, "data.max_bad_fraction=0.5"), f"train.output_dir={tmp_path}"])
+    summary = Trainer(cfg, kit.load_recipe(recipe)).run()
     assert summary["actual_steps"] == summary["estimated_steps"]
     report = read_report(tmp_path / "bad_records.jsonl")
     assert {origin: bad["reason"] for origin, bad in report.items()} == expected

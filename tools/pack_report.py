@@ -228,6 +228,9 @@ def describe_plan(planning: Planning, epoch: int = 0, bins: int = 20) -> dict:
         "truncated_samples": sum(1 for i, n in plan.lengths.items() if n < metas[i].length),
         "dropped": dict(sorted(plan.drop_counts.items())),
         "dropped_total": len(plan.dropped),
+        # records left out as bad before planning (read and header faults; bodies are not decoded here)
+        "bad_records": dict(planning.dataset.bad_records.counts().most_common()),
+        "bad_total": planning.dataset.bad_records.count,
         "packs": len(plan.packs),
         "admitted_tokens": admitted_tokens,
         "lower_bound_packs": lower_bound,
@@ -278,7 +281,9 @@ def format_report(r: dict) -> str:
         f"pack report: recipe {r['recipe']}, packing {packing}, max_seq_len {r['max_seq_len']}, epoch {r['epoch']} "
         f"({r['assembler']}, {r['dataset_class']})",
         f"records {r['records']}: admitted {r['admitted_samples']} (truncated {r['truncated_samples']}), "
-        f"dropped {r['dropped_total']} ({drops})",
+        f"dropped {r['dropped_total']} ({drops}); bad {r['bad_total']} "
+        f"({', '.join(f'{k} {v}' for k, v in r['bad_records'].items()) or 'none'}; image bodies not decoded: "
+        "tools/check_data.py --decode)",
         f"packs {r['packs']} vs lower bound {r['lower_bound_packs']} = ceil({r['admitted_tokens']} admitted tokens / "
         f"{r['max_seq_len']}): {_num(r['packs_over_lower_bound'], 3)}x, efficiency {_pct(r['packing_efficiency'])}",
         f"fill per pack: mean {_pct(r['mean_fill'])}, min {_pct(fill['min'])}, max {_pct(fill['max'])}",

@@ -98,8 +98,9 @@ class _PackedDatasetBase:
                                                        [m.media_end for m in metas], epoch=epoch)
             except OverlongSampleError as err:
                 record = self.records[order[err.index]]
-                raise ValueError(f"{record.origin}: record {record.record_id!r} has {err.length} tokens > "
-                                 f"max_seq_len={self.packing_spec.max_seq_len} (overlong=error)") from None
+                raise MLLMRecordError(f"{record.origin}: record {record.record_id!r} has {err.length} tokens > "
+                                      f"max_seq_len={self.packing_spec.max_seq_len} (overlong=error)", "overlong",
+                                      record_id=record.record_id) from None
             self._plans = {epoch: self._without_untrainable(epoch, order, metas, plan)}
         return self._plans[epoch]
 
