@@ -317,3 +317,37 @@ def test_guard_missing_attention_inputs():
     with pytest.raises(ValueError, match="4-D block-causal"):
         check_packed_model_kwargs(kwargs, "sdpa", position_rows=4)
     check_packed_model_kwargs(kwargs, "sdpa", position_rows=4, explicit_mask=False)
+
+
+def selected_blocks(num: torch.Tensor, indices: torch.Tensor, blocks: int) -> torch.Tensor:
+    """(B, q blocks, kv blocks) bool of the key blocks a BlockMask lists per query block."""
+    batch = num.shape[0]
+    out = torch.zeros(batch, blocks, blocks, dtype=torch.bool)
+    for b in range(batch):
+        for qb in range(blocks):
+            out[b, qb, indices[b, 0, qb, : int(num[b, 0, qb])].long()] = True
+    return out
+
+
+@settings(max_examples=80, deadline=None)
+@given(segment_ids_strategy(), st.sampled_from([1, 2, 3, 4]))
+def test_flex_block_mask_lists_exactly_the_blocks_with_allowed_pairs(segment_ids, block_size):
+    """Built from run boundaries (no L x L tensor). With small blocks every block-pair case occurs: the listed blocks
+    (partial or full) are exactly those holding an allowed (q, k) pair, and a full block (mask function skipped) holds
+    only allowed pairs. (Eager flex on CPU applies the mask function everywhere, so only this catches a wrong list.)"""
+    batch, length = segment_ids.shape
+    mask = flex_block_mask(segment_ids, block_size=block_size)
+    blocks = -(-length // block_size)
+    partial = selected_blocks(mask.kv_num_blocks, mask.kv_indices, blocks)
+    full = selected_blocks(mask.full_kv_num_blocks, mask.full_kv_indices, blocks)
+    allowed = block_causal_mask(segment_ids)[:, 0]
+    padded = torch.zeros(batch, blocks * block_size, blocks * block_size, dtype=torch.bool)
+    padded[:, :length, :length] = allowed
+    per_block = padded.reshape(batch, blocks, block_size, blocks, block_size)
+    any_allowed = per_block.any(dim=(2, 4))
+    inside = torch.zeros_like(padded)
+    inside[:, :length, :length] = True
+    all_allowed = (per_block | ~inside.reshape_as(per_block)).all(dim=(2, 4))
+    assert not (partial & full).any()
+    assert torch.equal(partial | full, any_allowed)
+    assert not (full & ~all_allowed).any()

@@ -104,19 +104,49 @@ def block_causal_mask(segment_ids: torch.Tensor, dtype: torch.dtype | None = Non
     return torch.where(allowed, zero, torch.finfo(dtype).min)
 
 
-def flex_block_mask(segment_ids: torch.Tensor):
+def flex_block_mask(segment_ids: torch.Tensor, block_size: int = 128):
     """A flex-attention ``BlockMask`` (B, 1, L, L) with exactly :func:`block_causal_mask`'s pattern: query q sees key
-    k iff k <= q and both are in the same run (the padding run sees only itself, so no row is fully masked)."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    k iff k <= q and both are in the same run (the padding run sees only itself, so no row is fully masked).
+
+    Built straight from the run boundaries at block granularity, never through an L x L tensor: uncompiled
+    ``create_block_mask`` evaluates the mask function on every (q, k) pair (B x L x L; +10 GiB at L = 32 k), while
+    here a block pair's fate follows from the runs at its two ends (runs only grow along a row): it is skipped when
+    its query and key runs do not overlap or it lies above the diagonal, *full* (no mask function applied) when
+    both blocks lie inside one run below the diagonal, and *partial* otherwise. Cost: (L / block_size)^2 per row.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
 
     validate_segment_ids(segment_ids)
     runs = segment_run_ids(segment_ids)
     batch, length = segment_ids.shape
+    device = segment_ids.device
+    blocks = -(-length // block_size)
+    starts = torch.arange(blocks, device=device) * block_size
+    ends = (starts + block_size).clamp(max=length) - 1
+    first, last = runs[:, starts], runs[:, ends]  # (B, blocks): runs at each block's first and last token
+    q_first, q_last, k_first, k_last = first[:, :, None], last[:, :, None], first[:, None, :], last[:, None, :]
+    index = torch.arange(blocks, device=device)
+    below = index[None, :, None] > index[None, None, :]
+    whole = ((ends - starts + 1) == block_size)  # a block cut by the row's end is never full
+    overlap = (torch.maximum(q_first, k_first) <= torch.minimum(q_last, k_last)) & (below | torch.eye(
+        blocks, dtype=torch.bool, device=device))
+    full = overlap & below & (q_first == q_last) & (k_first == k_last) & (q_first == k_first) \
+        & whole[None, :, None] & whole[None, None, :]
+    partial = overlap & ~full
+
+    def as_kv_blocks(selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per query block: how many key blocks are selected, and their indices first (stable order)."""
+        counts = selected.sum(-1, dtype=torch.int32)
+        order = torch.argsort((~selected).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        return counts[:, None], order[:, None]
 
     def same_run_causal(b, h, q_idx, kv_idx):
         return (runs[b, q_idx] == runs[b, kv_idx]) & (kv_idx <= q_idx)
 
-    return create_block_mask(same_run_causal, batch, None, length, length, device=segment_ids.device)
+    kv_num, kv_indices = as_kv_blocks(partial)
+    full_num, full_indices = as_kv_blocks(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_indices, full_num, full_indices, BLOCK_SIZE=block_size,
+                                    mask_mod=same_run_causal, seq_lengths=(length, length))
 
 
 def is_block_mask(mask: Any) -> bool:
