@@ -63,6 +63,7 @@ class _PackedDatasetBase:
             self.bad_records.records_read = len(records)
         self.epoch = 0
         self._plans: dict[int, EpochPlan] = {}
+        self._rank_packs: dict[int, tuple[EpochPlan, list[list[int]]]] = {}
 
     @cached_property
     def metas(self) -> list[SampleMeta | None]:
@@ -131,11 +132,18 @@ class _PackedDatasetBase:
         self.epoch = epoch
 
     def rank_packs(self, epoch: int | None = None) -> list[list[int]]:
-        """This rank's packs; an empty list stands for an all-padding row that keeps ranks in step."""
-        packs = self.plan(epoch).packs
-        count = packs_per_rank(len(packs), self.world_size, self.drop_last)
-        mine = packs[self.rank::self.world_size][:count]
-        return mine + [[] for _ in range(count - len(mine))]
+        """This rank's packs; an empty list stands for an all-padding row that keeps ranks in step. Cached with
+        the epoch's plan: ``__getitem__`` asks for it on every item, and recomputing it there made an epoch
+        quadratic in the data set size."""
+        plan = self.plan(epoch)
+        cached = self._rank_packs.get(plan.epoch)
+        if cached is None or cached[0] is not plan:
+            packs = plan.packs
+            count = packs_per_rank(len(packs), self.world_size, self.drop_last)
+            mine = packs[self.rank::self.world_size][:count]
+            cached = (plan, mine + [[] for _ in range(count - len(mine))])
+            self._rank_packs = {plan.epoch: cached}
+        return cached[1]
 
     def left_out_by_drop_last(self, micro_batch_size: int, epoch: int | None = None) -> list[int]:
         """Records of the epoch's packs that no rank trains on: with ``drop_last`` the packs past an even split
