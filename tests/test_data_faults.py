@@ -120,7 +120,9 @@ def corrupt_overrides(data: Path, *extra: str) -> list[str]:
 
 @pytest.mark.slow
 def test_a_corrupt_body_mid_epoch_on_two_ranks_is_left_out_and_the_ranks_stay_in_step(one_corrupt, tmp_path):
-    kit.launch(RECIPE, tmp_path, corrupt_overrides(one_corrupt, "data.max_bad_fraction=0.5"), nproc=2)
+    # DataLoader workers decode here: the fault travels to the trainer inside the batch
+    kit.launch(RECIPE, tmp_path, corrupt_overrides(one_corrupt, "data.max_bad_fraction=0.5", "train.num_workers=2"),
+               nproc=2)
     summary = kit.read_summary(tmp_path)
     assert summary["steps_per_rank_this_session"] == [summary["estimated_steps"]] * 2
     [ledger] = summary["epochs"]

@@ -1,0 +1,599 @@
+"""Packed attention at long sequence lengths: one packed row per attention backend, step time and peak added memory.
+
+Why: a packed row is only as cheap as its attention. eager and sdpa pack through a dense (1, 1, L, L) block-causal
+mask, so their cost grows with L^2 although the useful work is the sum of the squared segment lengths; a varlen
+backend (``sdpa_varlen`` on CPU, flash on CUDA) should cost what the segments cost one by one, and its memory should
+grow linearly in L. This measures exactly that on the language model path of the real Qwen2-VL recipe: the
+recipe's ``build_model`` with a config bumped by overrides (the tiny test model is too small for attention to show),
+rows built by the DataKit (``MLLMPack`` / ``MLLMCollator``) as training builds them, kwargs from the recipe's
+``prepare_packed`` for the backend under test.
+
+What is measured, per (backend, L): one training step = ``prepare_packed`` + forward + token loss
+(``weighted_token_loss``) + backward, best of ``--repeats`` after one untimed warm-up step; and the peak added
+memory of the step: the process RSS, sampled every 5 ms by a background thread (psutil), minus the RSS just before
+the step. The reference, once per L: the same segments one by one, each alone and unpacked through the recipe's
+``prepare_padded`` on a one-row batch with sdpa (what a padded Hugging Face run does), the step time being the sum of
+the per-segment steps.
+
+Fairness, and why each choice:
+
+- The same segments for every L and every backend: segment lengths are one fixed-seed stream (log-normal, median
+  ``--segment-median`` 700 tokens, ``--segment-sigma`` 0.5, so most lie in about 300..1500; capped to
+  ``--max-segment`` and to L, at least 32), and the row of length L takes the stream's first segments, the last one
+  cut to fill the row exactly (a cut that would leave fewer than 32 tokens gives them to that segment). So a longer
+  row holds the shorter row's segments plus more of the same mix, and memory should grow linearly in L. Token ids
+  are random (seeded) ordinary ids of the vocabulary: text-only rows, no image tokens; labels = input ids.
+- The same work on both sides: the reference steps run on the packed row's own samples and weights; each segment's
+  loss is divided by the supervised tokens of the whole row, so the accumulated gradients equal the packed step's.
+  Both sides include building their model kwargs: eager's and sdpa's dense mask is built in ``prepare_packed`` and
+  is part of what packing costs them. Gradients are set to None before every packed step and every one-by-one pass,
+  as an optimizer's ``zero_grad`` does, so both allocate them inside the measured step.
+- Each measurement runs in a fresh process, forked from a multiprocessing ``forkserver`` that has only imported the
+  modules (so the ~10 s of imports are paid once): a process that has already run steps keeps freed memory mapped,
+  and a later step reusing it would show no RSS growth, hiding its peak. For the same reason every measuring
+  process fixes glibc's mmap and trim thresholds at 128 KiB (``mallopt``; the dynamic default grows the mmap
+  threshold to 32 MiB and then keeps freed activations in the heap): measured at L=4096 on ``sdpa_varlen``, three
+  steps in a row showed 384, 236 and 195 MiB added under the defaults, 354, 332 and 333 MiB with the fixed
+  thresholds. Fresh mappings cost page faults (a few % of step time, up to ~20 % measured), paid alike by every
+  backend and by the reference. The reported peak is the largest over the timed repeats; the warm-up step's is in
+  ``--json``.
+- A measurement that fails is a row, not a crash: an exception in the step (``MemoryError``, the allocator's
+  RuntimeError), RSS over ``--memory-limit-gib`` (default 16; the parent watches the child's RSS every 10 ms and
+  kills it), a step over ``--timeout-s`` (a dense L x L step at 32768 tokens takes minutes on one thread) or a
+  process killed by the kernel. A backend that failed at some L is not run at larger L (it would fail again).
+- ``--threads`` (default 1) fixes torch's intra-op threads in every measuring process: with two OpenMP threads on
+  two cores shared with other processes (and with the RSS sampler and the parent's watchdog), every parallel
+  region waits for a descheduled thread and steps became 10-20x slower at random (measured in
+  ``tools/bench_train.py``), which swamps the differences measured here. All compared numbers use the same count.
+- fp32 on CPU, the model in train mode (its dropout is 0), the same seeded weights in every process.
+
+Targets, for ``--default-backend`` (default ``sdpa_varlen``), each printed with its measured value and OK/MISS; a
+failed or missing measurement is a MISS:
+
+1. at the largest L requested, peak added memory <= 2.5 GiB;
+2. memory grows linearly in L: with L_min and L_max the smallest and largest L requested,
+   ``peak(L_max) / peak(L_min) <= 1.5 * (L_max / L_min)``. Fixed costs (gradients, the model's per-step buffers)
+   make the left side smaller than L_max / L_min, a dense L x L term makes it up to (L_max / L_min)^2 (64 for
+   4096 -> 32768); the 1.5 is slack for sampling noise. It needs two lengths (else MISS);
+3. at every L requested, step time <= 1.3 x the sum of the one-by-one steps.
+
+    python tools/bench_long.py [--lengths 4096 8192 16384 32768] [--backends eager sdpa sdpa_varlen ...]
+        [--hidden 256 --intermediate 512 --layers 2 --heads 4 --kv-heads 2] [--repeats 2] [--threads 1]
+        [--memory-limit-gib 16] [--timeout-s 600] [--default-backend sdpa_varlen] [--json PATH]
+
+Backends the machine cannot run (``check_attention``: flash needs CUDA and flash_attn, flex_attention a CUDA
+backward, and the recipe does not offer flex at all) are skipped with the reason printed. Progress goes to stderr,
+the table and the targets to stdout. ``main(argv)`` returns what it printed as a dict (used by
+``tests/test_bench_long.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import math
+import multiprocessing
+import os
+import random
+import runpy
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # run as ``python tools/bench_long.py`` without an installed package
+    sys.path.insert(0, str(REPO_ROOT))
+
+import psutil  # noqa: E402
+import torch  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from mvp_engine.engine.config import ConfigError, check_attention  # noqa: E402
+from mvp_engine.engine.loss import weighted_token_loss  # noqa: E402
+from mvp_engine.engine.testing import compose_config  # noqa: E402
+from mvp_engine.kit.mllm.data import IGNORE_INDEX, MLLMCollator, MLLMPack, MLLMSample  # noqa: E402
+from recipes.qwen2_vl.model import build_model  # noqa: E402
+from recipes.qwen2_vl.packed import ATTENTION_BACKENDS, prepare_packed, prepare_padded  # noqa: E402
+
+RECIPE = "qwen2_vl"
+REFERENCE = "one-by-one"
+REFERENCE_BACKEND = "sdpa"
+DEFAULT_LENGTHS = (4096, 8192, 16384, 32768)
+DEFAULT_BACKENDS = ATTENTION_BACKENDS  # every backend the recipe offers; the ones this machine cannot run are skipped
+
+TARGET_PEAK_GIB = 2.5
+TARGET_GROWTH_SLACK = 1.5
+TARGET_STEP_RATIO = 1.3
+
+MIN_SEGMENT = 32
+GIB = 2**30
+MIB = 2**20
+SAMPLE_EVERY_S = 0.005  # RSS sampling period inside the measuring process
+WATCH_EVERY_S = 0.01  # the parent's RSS / time-limit check of the measuring process
+MALLOC_THRESHOLD = 128 * 1024
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters (malloc.h)
+
+WORKER_RUN_NAME = "__bench_long_worker__"
+# imported once by the forkserver, so each measuring process starts with them loaded
+PRELOAD = ["psutil", "torch", "transformers", "omegaconf", "mvp_engine.engine.config", "mvp_engine.engine.loss",
+           "mvp_engine.engine.testing", "mvp_engine.kit.mllm.data", "recipes.qwen2_vl.model",
+           "recipes.qwen2_vl.packed"]
+
+
+# ------------------------------------------------------------------------------------------ rows and the model
+
+
+def segment_lengths(length: int, median: float, sigma: float, max_segment: int, seed: int) -> list[int]:
+    """The row's segments: the first draws of one seeded log-normal stream, the last cut to fill ``length``."""
+    rng = random.Random(seed)
+    cap = min(max_segment, length)
+    out: list[int] = []
+    while sum(out) < length:
+        n = min(cap, max(MIN_SEGMENT, round(rng.lognormvariate(math.log(median), sigma))))
+        left = length - sum(out)
+        if left - n < MIN_SEGMENT:  # cut to fill the row exactly, never leaving a sliver behind
+            n = left
+        out.append(n)
+    return out
+
+
+def mrope_section(head_dim: int) -> list[int]:
+    """Qwen2-VL's (temporal, height, width) rotary split of ``head_dim / 2``, in its released 16:24:24 proportion."""
+    half = head_dim // 2
+    temporal = half // 4
+    height = (half - temporal) // 2
+    return [temporal, height, half - temporal - height]
+
+
+def model_overrides(args: argparse.Namespace) -> list[str]:
+    """Hydra overrides bumping the recipe's tiny language model to the benchmark's sizes (fp32, seeded)."""
+    text = "model.config.text_config"
+    section = ",".join(str(s) for s in mrope_section(args.hidden // args.heads))
+    return [f"{text}.hidden_size={args.hidden}", f"{text}.intermediate_size={args.intermediate}",
+            f"{text}.num_hidden_layers={args.layers}", f"{text}.num_attention_heads={args.heads}",
+            f"{text}.num_key_value_heads={args.kv_heads}",
+            f"{text}.max_position_embeddings={max(4096, *args.lengths)}",
+            f"{text}.rope_parameters.mrope_section=[{section}]", "model.dtype=float32", f"model.seed={args.seed}"]
+
+
+def model_config(args: argparse.Namespace) -> dict:
+    """The recipe's model config with the overrides, as a plain dict (it travels to the measuring processes)."""
+    return OmegaConf.to_container(compose_config(RECIPE, model_overrides(args)).model, resolve=True)
+
+
+def ordinary_token_ids(config) -> torch.Tensor:
+    """Vocabulary ids that are not image / video / vision markers (those would need media)."""
+    text = config.text_config
+    special = {config.image_token_id, config.video_token_id, config.vision_start_token_id,
+               config.vision_end_token_id, text.pad_token_id}
+    return torch.tensor([i for i in range(text.vocab_size) if i not in special])
+
+
+def make_samples(lengths: list[int], config, seed: int) -> list[MLLMSample]:
+    """Text-only samples of the given lengths, seeded random ordinary ids, labels = input ids."""
+    ids = ordinary_token_ids(config)
+    generator = torch.Generator().manual_seed(seed)
+    samples = []
+    for index, n in enumerate(lengths):
+        tokens = ids[torch.randint(len(ids), (n,), generator=generator)]
+        samples.append(MLLMSample(input_ids=tokens, labels=tokens.clone(), sample_id=f"seg{index}"))
+    return samples
+
+
+def collate(samples: list[MLLMSample], pad_token_id: int) -> dict:
+    """One row holding ``samples``, packed and collated by the DataKit as training does (no padding)."""
+    return MLLMCollator(pad_token_id=pad_token_id)([MLLMPack(samples).to_model_inputs()])
+
+
+def supervised_targets(batch: dict) -> int:
+    """Shifted targets the token loss counts (the first label of every segment is ignored by ``MLLMPack``)."""
+    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+
+# ------------------------------------------------------------------------------ inside a measuring process
+
+
+class PeakRss:
+    """RSS of this process just before the block (``baseline``) and its peak during it, sampled by a thread."""
+
+    def __init__(self) -> None:
+        self._process = psutil.Process()
+        self._stop = threading.Event()
+
+    def _rss(self) -> int:
+        return self._process.memory_info().rss
+
+    def _sample(self) -> None:
+        while not self._stop.wait(SAMPLE_EVERY_S):
+            self.peak = max(self.peak, self._rss())
+
+    def __enter__(self) -> PeakRss:
+        self.baseline = self.peak = self._rss()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._rss())
+
+    @property
+    def added(self) -> int:
+        return self.peak - self.baseline
+
+
+def fix_malloc_thresholds() -> str:
+    """Make glibc return freed blocks of >= 128 KiB to the system at once, so RSS follows live memory."""
+    if not sys.platform.startswith("linux"):
+        return "allocator defaults (not Linux)"
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        ok = libc.mallopt(M_MMAP_THRESHOLD, MALLOC_THRESHOLD) and libc.mallopt(M_TRIM_THRESHOLD, MALLOC_THRESHOLD)
+    except (OSError, AttributeError):
+        return "allocator defaults (no glibc mallopt)"
+    return f"glibc mmap/trim thresholds {MALLOC_THRESHOLD // 1024} KiB" if ok else "allocator defaults (mallopt failed)"
+
+
+def packed_step(model, batch: dict, backend: str) -> None:
+    """prepare_packed + forward + token-mean loss + backward of the packed row."""
+    logits = model(**prepare_packed(batch, model, backend)).logits
+    loss = weighted_token_loss(logits, batch["labels"], batch["pack_segment_ids"], "token")
+    (loss.weighted_sum / loss.weight_total).backward()
+
+
+def one_by_one_pass(model, batches: list[dict], total_targets: int) -> float:
+    """Every segment alone (prepare_padded + forward + loss + backward, gradients accumulating); summed step time."""
+    seconds = 0.0
+    for batch in batches:
+        start = time.perf_counter()
+        logits = model(**prepare_padded(batch, model, REFERENCE_BACKEND)).logits
+        loss = weighted_token_loss(logits, batch["labels"], batch["pack_segment_ids"], "token")
+        (loss.weighted_sum / total_targets).backward()
+        seconds += time.perf_counter() - start
+        del logits, loss
+    return seconds
+
+
+def measured_runs(model, run, repeats: int) -> dict:
+    """One warm-up and ``repeats`` timed runs of ``run() -> seconds``, each with fresh gradients and its RSS peak."""
+    times, peaks = [], []
+    for _ in range(1 + repeats):
+        model.zero_grad(set_to_none=True)
+        with PeakRss() as rss:
+            seconds = run()
+        times.append(seconds)
+        peaks.append(rss.added)
+    return {"step_s": min(times[1:]), "times_s": times[1:], "peak_added_bytes": max(peaks[1:]),
+            "peaks_added_bytes": peaks[1:], "warmup_s": times[0], "warmup_peak_added_bytes": peaks[0],
+            "baseline_rss_bytes": rss.baseline}
+
+
+def run_spec(spec: dict) -> dict:
+    """Build the model and the row(s) of ``spec``, then measure the packed step or the one-by-one pass."""
+    allocator = fix_malloc_thresholds()
+    if spec["threads"]:
+        torch.set_num_threads(spec["threads"])
+    reference = spec["backend"] == REFERENCE
+    backend = REFERENCE_BACKEND if reference else spec["backend"]
+    model = build_model(spec["model_cfg"], backend).train()
+    pad = model.config.text_config.pad_token_id
+    samples = make_samples(spec["segments"], model.config, spec["seed"])
+    row = collate(samples, pad)
+    if reference:
+        alone = [collate([sample], pad) for sample in samples]
+        total = supervised_targets(row)
+        result = measured_runs(model, lambda: one_by_one_pass(model, alone, total), spec["repeats"])
+    else:
+        def timed_step() -> float:
+            start = time.perf_counter()
+            packed_step(model, row, backend)
+            return time.perf_counter() - start
+        result = measured_runs(model, timed_step, spec["repeats"])
+    return {**result, "allocator": allocator, "threads": torch.get_num_threads(),
+            "tokens": int(row["input_ids"].numel())}
+
+
+def worker(spec: dict, result_path: str, log_path: str) -> None:
+    """Entry of a measuring process: its output goes to ``log_path``, its result (or error) to ``result_path``."""
+    with open(log_path, "w") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    error = None
+    try:
+        result = run_spec(spec)
+    except Exception as err:  # MemoryError, the allocator's RuntimeError, anything: a failed measurement
+        error = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}".strip(": ")
+    if error is not None:
+        result = {"error": error}
+    Path(result_path).write_text(json.dumps(result))
+
+
+# ------------------------------------------------------------------------------------------------ the parent
+
+
+def worker_context():
+    """A forkserver that imported the heavy modules once; each measurement forks a fresh process from it."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    return context
+
+
+def last_line(path: Path) -> str:
+    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()] if path.exists() else []
+    return lines[-1].strip() if lines else ""
+
+
+def watch(process, limit_bytes: int, timeout_s: float) -> str | None:
+    """Wait for ``process``; kill it (and say why) when its RSS passes ``limit_bytes`` or it runs past the limit."""
+    try:
+        handle = psutil.Process(process.pid)
+    except psutil.NoSuchProcess:
+        handle = None
+    deadline = time.monotonic() + timeout_s if timeout_s else math.inf
+    while process.is_alive():
+        try:
+            rss = handle.memory_info().rss if handle else 0
+        except psutil.NoSuchProcess:
+            rss = 0
+        reason = None
+        if rss > limit_bytes:
+            reason = f"RSS {rss / GIB:.1f} GiB over the --memory-limit-gib {limit_bytes / GIB:g} limit, killed"
+        elif time.monotonic() > deadline:
+            reason = f"over the --timeout-s {timeout_s:g} s limit, killed"
+        if reason:
+            process.kill()
+            process.join()
+            return reason
+        process.join(WATCH_EVERY_S)
+    return None
+
+
+def measure(context, spec: dict, args: argparse.Namespace, workdir: Path) -> dict:
+    """Run one measurement in a fresh process and return its numbers, or ``{"error": reason}``."""
+    tag = f"{spec['backend']}-{len(spec['segments'])}-{sum(spec['segments'])}"
+    result_path, log_path = workdir / f"{tag}.json", workdir / f"{tag}.log"
+    # runpy.run_path re-runs this file by path in the new process (its imports are preloaded), so the worker is found
+    # however this module was loaded (as a script, by path in a test, or imported)
+    process = context.Process(target=runpy.run_path, args=(str(Path(__file__).resolve()),),
+                              kwargs={"init_globals": {"WORKER_ARGS": (spec, str(result_path), str(log_path))},
+                                      "run_name": WORKER_RUN_NAME})
+    process.start()
+    reason = watch(process, int(args.memory_limit_gib * GIB), args.timeout_s)
+    if reason is None and result_path.exists():
+        return json.loads(result_path.read_text())
+    if reason is None:
+        code = process.exitcode
+        cause = f"killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+        if code == -9:
+            cause += " (out of memory?)"
+        reason = f"{cause}; {last_line(log_path)}".rstrip("; ")
+    return {"error": reason}
+
+
+def runnable_backends(requested: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The backends of ``requested`` this recipe and machine can train with, and why each other one is skipped."""
+    runnable, skipped = [], {}
+    for name in dict.fromkeys(requested):
+        try:
+            check_attention(name, ATTENTION_BACKENDS)
+            runnable.append(name)
+        except ConfigError as err:
+            skipped[name] = str(err)
+    return runnable, skipped
+
+
+def progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def run_all(args: argparse.Namespace, model_cfg: dict, backends: list[str],
+            segments: dict[int, list[int]]) -> tuple[list[dict], dict[int, dict]]:
+    """Every length: the one-by-one reference, then each backend, each in its own process."""
+    context = worker_context()
+    rows, references, failed_at = [], {}, {}
+    with tempfile.TemporaryDirectory(prefix="bench_long-") as tmp:
+        for length in args.lengths:
+            base = {"model_cfg": model_cfg, "segments": segments[length], "threads": args.threads,
+                    "repeats": args.repeats, "seed": args.seed}
+            for name in (REFERENCE, *backends):
+                if name in failed_at:
+                    result = {"error": f"not run: failed at L={failed_at[name]} already"}
+                else:
+                    progress(f"measuring {name} at L={length} ...")
+                    started = time.perf_counter()
+                    result = measure(context, {**base, "backend": name}, args, Path(tmp))
+                    progress(f"  done in {time.perf_counter() - started:.1f} s"
+                             + (f": failed: {result['error']}" if "error" in result else ""))
+                if "error" in result:
+                    failed_at.setdefault(name, length)
+                entry = {"backend": name, "length": length, **result}
+                if name == REFERENCE:
+                    references[length] = entry
+                else:
+                    rows.append(entry)
+    for row in rows:
+        reference = references[row["length"]]
+        ok = "error" not in row and "error" not in reference
+        row["ratio"] = row["step_s"] / reference["step_s"] if ok and reference["step_s"] > 0 else None
+    return rows, references
+
+
+# --------------------------------------------------------------------------------------------------- report
+
+
+def verdict(ok: bool) -> str:
+    return "OK" if ok else "MISS"
+
+
+def find_row(rows: list[dict], backend: str, length: int) -> dict | None:
+    return next((r for r in rows if r["backend"] == backend and r["length"] == length), None)
+
+
+def failure(row: dict | None, skipped: dict[str, str], backend: str, length: int) -> str | None:
+    """Why there is no number for (backend, L), or None when there is one."""
+    if row is None:
+        return f"{backend} not measured" + (f" ({skipped[backend]})" if backend in skipped else "")
+    if "error" in row:
+        return f"{backend} failed at L={length}: {row['error']}"
+    return None
+
+
+def target_peak(rows, skipped, backend, lengths) -> dict:
+    length = max(lengths)
+    row = find_row(rows, backend, length)
+    why = failure(row, skipped, backend, length)
+    value = None if why else row["peak_added_bytes"] / GIB
+    ok = value is not None and value <= TARGET_PEAK_GIB
+    shown = why or f"{value:.3f} GiB"
+    return {"name": "peak", "value": value, "limit": TARGET_PEAK_GIB, "ok": ok,
+            "line": f"(1) peak added memory at L={length} <= {TARGET_PEAK_GIB} GiB: {shown} -> {verdict(ok)}"}
+
+
+def target_growth(rows, skipped, backend, lengths) -> dict:
+    low, high = min(lengths), max(lengths)
+    bound = TARGET_GROWTH_SLACK * high / low
+    head = f"(2) linear memory growth: peak(L={high}) / peak(L={low}) <= {TARGET_GROWTH_SLACK} x {high}/{low}"
+    if low == high:
+        return {"name": "growth", "value": None, "limit": bound, "ok": False,
+                "line": f"{head} = {bound:.2f}: needs two lengths -> MISS"}
+    rows_at = {length: find_row(rows, backend, length) for length in (low, high)}
+    why = next((w for length, r in rows_at.items() if (w := failure(r, skipped, backend, length))), None)
+    value = None
+    if why is None and rows_at[low]["peak_added_bytes"] > 0:
+        value = rows_at[high]["peak_added_bytes"] / rows_at[low]["peak_added_bytes"]
+    elif why is None:
+        why = f"peak at L={low} is {rows_at[low]['peak_added_bytes']} bytes, no ratio"
+    ok = value is not None and value <= bound
+    shown = why or f"{value:.3f}"
+    return {"name": "growth", "value": value, "limit": bound, "ok": ok,
+            "line": f"{head} = {bound:.2f}: {shown} -> {verdict(ok)}"}
+
+
+def target_step(rows, references, skipped, backend, lengths) -> dict:
+    per_length, problems = {}, []
+    for length in lengths:
+        row = find_row(rows, backend, length)
+        why = failure(row, skipped, backend, length) or failure(references[length], {}, REFERENCE, length)
+        if why:
+            problems.append(why)
+        else:
+            per_length[length] = row["ratio"]
+    value = max(per_length.values()) if per_length else None
+    ok = not problems and value is not None and value <= TARGET_STEP_RATIO
+    parts = [f"L={length} {ratio:.3f}x" for length, ratio in per_length.items()] + problems
+    worst = "" if value is None else f"; worst {value:.3f}x"
+    return {"name": "step", "value": value, "per_length": per_length, "limit": TARGET_STEP_RATIO, "ok": ok,
+            "line": f"(3) step <= {TARGET_STEP_RATIO}x the sum of one-by-one steps at every L: {', '.join(parts)}"
+                    f"{worst} -> {verdict(ok)}"}
+
+
+def format_row(row: dict) -> str:
+    head = f"{row['backend']:<18s} {row['length']:>6d}"
+    if "error" in row:
+        return f"{head}  failed: {row['error']}"
+    ratio = "-" if row.get("ratio") is None else f"{row['ratio']:.3f}"
+    return f"{head} {row['step_s']:>10.4f} {row['peak_added_bytes'] / MIB:>15.1f} {ratio:>18s}"
+
+
+def header_lines(args, model_cfg, backends, skipped, segments) -> list[str]:
+    text = model_cfg["config"]["text_config"]
+    sizes = (f"hidden {text['hidden_size']}, intermediate {text['intermediate_size']}, layers "
+             f"{text['num_hidden_layers']}, heads {text['num_attention_heads']} (kv {text['num_key_value_heads']})")
+    lines = [f"recipe {RECIPE} language model: {sizes}, fp32 on CPU, torch threads "
+             f"{args.threads or torch.get_num_threads()}; one packed row per (backend, L); step = prepare + forward + "
+             f"token loss + backward, best of {args.repeats} after 1 warm-up; peak = RSS peak - RSS before the step, "
+             f"fresh process each; limits {args.memory_limit_gib:g} GiB, {args.timeout_s:g} s",
+             f"segments: log-normal median {args.segment_median:g} sigma {args.segment_sigma:g}, {MIN_SEGMENT}.."
+             f"{args.max_segment} tokens, seed {args.seed}, the last cut to fill the row; {REFERENCE} = each segment "
+             f"alone through prepare_padded on {REFERENCE_BACKEND}, step = sum of the segments' steps"]
+    for length, lengths in segments.items():
+        lines.append(f"  L={length}: {len(lengths)} segments, {min(lengths)}..{max(lengths)} tokens "
+                     f"(mean {sum(lengths) / len(lengths):.0f})")
+    lines.append(f"backends: {', '.join(backends) or 'none'}")
+    lines += [f"skipped {name}: {reason}" for name, reason in skipped.items()]
+    return lines
+
+
+def report(args, model_cfg, backends, skipped, segments, rows, references, seconds) -> dict:
+    """Print the header, the table and the targets; return everything printed as a dict."""
+    lines = header_lines(args, model_cfg, backends, skipped, segments)
+    lines.append(f"{'backend':<18s} {'L':>6s} {'step s':>10s} {'peak added MiB':>15s} {'step / one-by-one':>18s}")
+    for length in args.lengths:
+        lines.append(format_row({**references[length], "ratio": None}))
+        lines += [format_row(r) for r in rows if r["length"] == length]
+    backend = args.default_backend
+    targets = [target_peak(rows, skipped, backend, args.lengths),
+               target_growth(rows, skipped, backend, args.lengths),
+               target_step(rows, references, skipped, backend, args.lengths)]
+    lines.append(f"targets for {backend}:")
+    lines += [f"  {t['line']}" for t in targets]
+    lines.append(f"bench time {seconds:.1f} s")
+    for line in lines:
+        print(line)
+    return {"recipe": RECIPE, "model": model_cfg["config"]["text_config"], "args": vars(args), "backends": backends,
+            "skipped": skipped, "segments": {str(k): v for k, v in segments.items()}, "rows": rows,
+            "references": [references[length] for length in args.lengths], "default_backend": backend,
+            "targets": targets, "ok": all(t["ok"] for t in targets), "seconds": seconds, "lines": lines}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=list(DEFAULT_LENGTHS), help="packed row lengths")
+    parser.add_argument("--backends", nargs="+", default=list(DEFAULT_BACKENDS),
+                        help="attention backends to try; those this machine cannot train with are skipped")
+    parser.add_argument("--default-backend", default="sdpa_varlen", help="the backend the targets are checked for")
+    parser.add_argument("--hidden", type=int, default=256, help="text_config.hidden_size")
+    parser.add_argument("--intermediate", type=int, default=512, help="text_config.intermediate_size")
+    parser.add_argument("--layers", type=int, default=2, help="text_config.num_hidden_layers")
+    parser.add_argument("--heads", type=int, default=4, help="text_config.num_attention_heads")
+    parser.add_argument("--kv-heads", type=int, default=2, help="text_config.num_key_value_heads")
+    parser.add_argument("--segment-median", type=float, default=700.0, help="median segment length (tokens)")
+    parser.add_argument("--segment-sigma", type=float, default=0.5, help="sigma of the log-normal segment lengths")
+    parser.add_argument("--max-segment", type=int, default=4096, help="longest segment drawn (also capped to L)")
+    parser.add_argument("--repeats", type=int, default=2, help="timed steps after the warm-up; the fastest counts")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: leave torch's default)")
+    parser.add_argument("--memory-limit-gib", type=float, default=16.0,
+                        help="kill a measurement whose process RSS passes this (GiB)")
+    parser.add_argument("--timeout-s", type=float, default=600.0,
+                        help="kill a measurement (warm-up and repeats) running longer than this (0: no limit)")
+    parser.add_argument("--seed", type=int, default=0, help="segment lengths, token ids and weights")
+    parser.add_argument("--json", type=Path, help="write every number here")
+    args = parser.parse_args(argv)
+    if min(args.lengths) < 2 * MIN_SEGMENT:
+        parser.error(f"--lengths must be >= {2 * MIN_SEGMENT}")
+    args.lengths = sorted(set(args.lengths))
+    for name in ("hidden", "intermediate", "layers", "heads", "kv_heads", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.hidden % args.heads or (args.hidden // args.heads) % 8 or args.heads % args.kv_heads:
+        parser.error("--hidden must be a multiple of 8 x --heads, and --heads a multiple of --kv-heads")
+    if args.max_segment < MIN_SEGMENT or args.segment_median <= 0 or args.segment_sigma < 0:
+        parser.error(f"--max-segment must be >= {MIN_SEGMENT}, --segment-median > 0, --segment-sigma >= 0")
+    if args.threads < 0 or args.memory_limit_gib <= 0 or args.timeout_s < 0:
+        parser.error("--threads and --timeout-s must be >= 0, --memory-limit-gib > 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    backends, skipped = runnable_backends(args.backends)
+    model_cfg = model_config(args)
+    segments = {length: segment_lengths(length, args.segment_median, args.segment_sigma, args.max_segment, args.seed)
+                for length in args.lengths}
+    rows, references = run_all(args, model_cfg, backends, segments)
+    result = report(args, model_cfg, backends, skipped, segments, rows, references, time.perf_counter() - started)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
+elif __name__ == WORKER_RUN_NAME:  # a measuring process started by ``measure`` (see there)
+    worker(*globals()["WORKER_ARGS"])
