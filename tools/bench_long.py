@@ -8,12 +8,13 @@ recipe's ``build_model`` with a config bumped by overrides (the tiny test model 
 rows built by the DataKit (``MLLMPack`` / ``MLLMCollator``) as training builds them, kwargs from the recipe's
 ``prepare_packed`` for the backend under test.
 
-What is measured, per (backend, L): one training step = ``prepare_packed`` + forward + token loss
-(``weighted_token_loss``) + backward, best of ``--repeats`` after one untimed warm-up step; and the peak added
-memory of the step: the process RSS, sampled every 5 ms by a background thread (psutil), minus the RSS just before
-the step. The reference, once per L: the same segments one by one, each alone and unpacked through the recipe's
-``prepare_padded`` on a one-row batch with sdpa (what a padded Hugging Face run does), the step time being the sum of
-the per-segment steps.
+What is measured, per (backend, L), in a fresh process: one training step = ``prepare_packed`` + forward + token
+loss (``weighted_token_loss``) + backward. Its time: the best of ``--repeats`` timed steps after one untimed warm-up
+step. Its peak added memory: the process RSS, sampled every 5 ms by a background thread (psutil) during the
+process's first step, minus the RSS just before that step. The reference, once per L: the same segments one by
+one, each alone and unpacked through the recipe's ``prepare_padded`` on a one-row batch with sdpa (what a padded
+Hugging Face run does), measured the same way, a pass over all segments counting as one step (the sum of the
+per-segment steps).
 
 Fairness, and why each choice:
 
@@ -28,19 +29,25 @@ Fairness, and why each choice:
   Both sides include building their model kwargs: eager's and sdpa's dense mask is built in ``prepare_packed`` and
   is part of what packing costs them. Gradients are set to None before every packed step and every one-by-one pass,
   as an optimizer's ``zero_grad`` does, so both allocate them inside the measured step.
-- Each measurement runs in a fresh process, forked from a multiprocessing ``forkserver`` that has only imported the
-  modules (so the ~10 s of imports are paid once): a process that has already run steps keeps freed memory mapped,
-  and a later step reusing it would show no RSS growth, hiding its peak. For the same reason every measuring
-  process fixes glibc's mmap and trim thresholds at 128 KiB (``mallopt``; the dynamic default grows the mmap
-  threshold to 32 MiB and then keeps freed activations in the heap): measured at L=4096 on ``sdpa_varlen``, three
-  steps in a row showed 384, 236 and 195 MiB added under the defaults, 354, 332 and 333 MiB with the fixed
-  thresholds. Fresh mappings cost page faults (a few % of step time, up to ~20 % measured), paid alike by every
-  backend and by the reference. The reported peak is the largest over the timed repeats; the warm-up step's is in
-  ``--json``.
+- Memory needs a fresh process and an allocator that gives memory back. A process that has already run steps
+  keeps freed memory mapped, and a later step reusing it shows no RSS growth, hiding its peak; so each measurement
+  is its own process, forked from a multiprocessing ``forkserver`` that has only imported the modules (the ~10 s
+  of imports are paid once). Within a process glibc does the same: its mmap threshold grows to 32 MiB and freed
+  activations stay in the heap (measured at L=4096 on ``sdpa_varlen``, three steps in a row: 384, 236 and 195 MiB
+  added). So every measuring process first fixes glibc's mmap and trim thresholds at 128 KiB (``mallopt``, before
+  the model is built): freed blocks go straight back, RSS follows live memory (the same three steps: 354, 332,
+  333 MiB). The memory step is the first one, so it includes first-step one-off allocations (about 20 MiB,
+  measured), alike for every backend and the reference.
+- Time needs the allocator of a training process in its steady state: the fixed thresholds make every large
+  block a fresh mapping that is page-faulted again at every step (steps 20-45 % slower, measured at 4096 and
+  8192). After the memory step the thresholds are set to where glibc's dynamic ones settle (mmap 32 MiB, trim 64
+  MiB), one warm-up step refills the heap, then the timed steps run, with no sampler thread.
 - A measurement that fails is a row, not a crash: an exception in the step (``MemoryError``, the allocator's
   RuntimeError), RSS over ``--memory-limit-gib`` (default 16; the parent watches the child's RSS every 10 ms and
-  kills it), a step over ``--timeout-s`` (a dense L x L step at 32768 tokens takes minutes on one thread) or a
-  process killed by the kernel. A backend that failed at some L is not run at larger L (it would fail again).
+  kills it), a measurement over ``--timeout-s`` (default 600, all of it: model, memory step, warm-up, repeats; a
+  dense L x L step at 32768 tokens takes minutes on one thread; a measurement whose other steps would pass the
+  limit at its first step's pace stops after that step instead of being killed later) or a process killed by the
+  kernel. A backend that failed at some L is not run at larger L (it would fail again).
 - ``--threads`` (default 1) fixes torch's intra-op threads in every measuring process: with two OpenMP threads on
   two cores shared with other processes (and with the RSS sampler and the parent's watchdog), every parallel
   region waits for a descheduled thread and steps became 10-20x slower at random (measured in
@@ -57,14 +64,14 @@ failed or missing measurement is a MISS:
    4096 -> 32768); the 1.5 is slack for sampling noise. It needs two lengths (else MISS);
 3. at every L requested, step time <= 1.3 x the sum of the one-by-one steps.
 
-    python tools/bench_long.py [--lengths 4096 8192 16384 32768] [--backends eager sdpa sdpa_varlen ...]
+    python tools/bench_long.py [--lengths 4096 8192 16384 32768] [--backends eager sdpa sdpa_varlen]
         [--hidden 256 --intermediate 512 --layers 2 --heads 4 --kv-heads 2] [--repeats 2] [--threads 1]
         [--memory-limit-gib 16] [--timeout-s 600] [--default-backend sdpa_varlen] [--json PATH]
 
-Backends the machine cannot run (``check_attention``: flash needs CUDA and flash_attn, flex_attention a CUDA
-backward, and the recipe does not offer flex at all) are skipped with the reason printed. Progress goes to stderr,
-the table and the targets to stdout. ``main(argv)`` returns what it printed as a dict (used by
-``tests/test_bench_long.py``).
+``--backends`` defaults to every backend the recipe offers (``recipes.qwen2_vl.packed.ATTENTION_BACKENDS``); those
+this machine cannot train with (``check_attention``: flash needs CUDA and flash_attn) are skipped with the reason
+printed. Progress goes to stderr, the table and the targets to stdout. ``main(argv)`` returns what it printed as a
+dict (used by ``tests/test_bench_long.py``).
 """
 
 from __future__ import annotations
@@ -113,7 +120,8 @@ GIB = 2**30
 MIB = 2**20
 SAMPLE_EVERY_S = 0.005  # RSS sampling period inside the measuring process
 WATCH_EVERY_S = 0.01  # the parent's RSS / time-limit check of the measuring process
-MALLOC_THRESHOLD = 128 * 1024
+FIXED_MALLOC_THRESHOLD = 128 * 1024  # while measuring memory: freed blocks >= 128 KiB go back to the system
+SETTLED_MMAP_THRESHOLD, SETTLED_TRIM_THRESHOLD = 32 * MIB, 64 * MIB  # where glibc's dynamic thresholds end up
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters (malloc.h)
 
 WORKER_RUN_NAME = "__bench_long_worker__"
@@ -226,16 +234,16 @@ class PeakRss:
         return self.peak - self.baseline
 
 
-def fix_malloc_thresholds() -> str:
-    """Make glibc return freed blocks of >= 128 KiB to the system at once, so RSS follows live memory."""
+def set_malloc_thresholds(mmap_bytes: int, trim_bytes: int) -> bool:
+    """glibc's mmap threshold (blocks at least this big get their own mapping, unmapped when freed) and trim threshold
+    (free heap top kept up to this); False where there is no glibc ``mallopt``."""
     if not sys.platform.startswith("linux"):
-        return "allocator defaults (not Linux)"
+        return False
     try:
         libc = ctypes.CDLL("libc.so.6")
-        ok = libc.mallopt(M_MMAP_THRESHOLD, MALLOC_THRESHOLD) and libc.mallopt(M_TRIM_THRESHOLD, MALLOC_THRESHOLD)
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, mmap_bytes) and libc.mallopt(M_TRIM_THRESHOLD, trim_bytes))
     except (OSError, AttributeError):
-        return "allocator defaults (no glibc mallopt)"
-    return f"glibc mmap/trim thresholds {MALLOC_THRESHOLD // 1024} KiB" if ok else "allocator defaults (mallopt failed)"
+        return False
 
 
 def packed_step(model, batch: dict, backend: str) -> None:
@@ -258,23 +266,36 @@ def one_by_one_pass(model, batches: list[dict], total_targets: int) -> float:
     return seconds
 
 
-def measured_runs(model, run, repeats: int) -> dict:
-    """One warm-up and ``repeats`` timed runs of ``run() -> seconds``, each with fresh gradients and its RSS peak."""
-    times, peaks = [], []
+def check_time_left(first_s: float, steps_left: int, started: float, timeout_s: float) -> None:
+    """Stop now when the steps left, at the first step's pace, would run past the limit (the parent would kill us)."""
+    expected = time.monotonic() - started + steps_left * first_s
+    if timeout_s and expected > timeout_s:
+        raise TimeoutError(f"first step took {first_s:.1f} s, {steps_left} more would pass the --timeout-s "
+                           f"{timeout_s:g} s limit (about {expected:.0f} s in all), stopped")
+
+
+def measured_runs(model, run, repeats: int, started: float, timeout_s: float) -> dict:
+    """``run() -> seconds`` (one step or one one-by-one pass), each time with fresh gradients: first under the fixed
+    small malloc thresholds with RSS sampled (the memory), then under glibc's settled thresholds one untimed warm-up
+    and ``repeats`` timed runs without the sampler (the time)."""
+    model.zero_grad(set_to_none=True)
+    with PeakRss() as rss:
+        memory_step_s = run()
+    check_time_left(memory_step_s, 1 + repeats, started, timeout_s)
+    settled = set_malloc_thresholds(SETTLED_MMAP_THRESHOLD, SETTLED_TRIM_THRESHOLD)
+    times = []
     for _ in range(1 + repeats):
         model.zero_grad(set_to_none=True)
-        with PeakRss() as rss:
-            seconds = run()
-        times.append(seconds)
-        peaks.append(rss.added)
-    return {"step_s": min(times[1:]), "times_s": times[1:], "peak_added_bytes": max(peaks[1:]),
-            "peaks_added_bytes": peaks[1:], "warmup_s": times[0], "warmup_peak_added_bytes": peaks[0],
-            "baseline_rss_bytes": rss.baseline}
+        times.append(run())
+    return {"step_s": min(times[1:]), "times_s": times[1:], "warmup_s": times[0], "peak_added_bytes": rss.added,
+            "baseline_rss_bytes": rss.baseline, "memory_step_s": memory_step_s, "malloc_thresholds_set": settled}
 
 
 def run_spec(spec: dict) -> dict:
     """Build the model and the row(s) of ``spec``, then measure the packed step or the one-by-one pass."""
-    allocator = fix_malloc_thresholds()
+    started = time.monotonic()
+    # before anything is allocated, so no block freed by the model build is reused unseen by the memory step
+    fixed = set_malloc_thresholds(FIXED_MALLOC_THRESHOLD, FIXED_MALLOC_THRESHOLD)
     if spec["threads"]:
         torch.set_num_threads(spec["threads"])
     reference = spec["backend"] == REFERENCE
@@ -286,14 +307,16 @@ def run_spec(spec: dict) -> dict:
     if reference:
         alone = [collate([sample], pad) for sample in samples]
         total = supervised_targets(row)
-        result = measured_runs(model, lambda: one_by_one_pass(model, alone, total), spec["repeats"])
+        result = measured_runs(model, lambda: one_by_one_pass(model, alone, total), spec["repeats"],
+                               started, spec["timeout_s"])
     else:
         def timed_step() -> float:
             start = time.perf_counter()
             packed_step(model, row, backend)
             return time.perf_counter() - start
-        result = measured_runs(model, timed_step, spec["repeats"])
-    return {**result, "allocator": allocator, "threads": torch.get_num_threads(),
+        result = measured_runs(model, timed_step, spec["repeats"], started, spec["timeout_s"])
+    result["malloc_thresholds_set"] = fixed and result["malloc_thresholds_set"]
+    return {**result, "threads": torch.get_num_threads(),
             "tokens": int(row["input_ids"].numel())}
 
 
@@ -306,8 +329,9 @@ def worker(spec: dict, result_path: str, log_path: str) -> None:
     try:
         result = run_spec(spec)
     except Exception as err:  # MemoryError, the allocator's RuntimeError, anything: a failed measurement
-        error = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}".strip(": ")
-    if error is not None:
+        message = (str(err).strip().splitlines() or [""])[0]
+        error = f"{type(err).__name__}: {message}" if message else type(err).__name__
+    if error is not None:  # outside the except block: the traceback (and the step's tensors) are gone by now
         result = {"error": error}
     Path(result_path).write_text(json.dumps(result))
 
@@ -398,7 +422,7 @@ def run_all(args: argparse.Namespace, model_cfg: dict, backends: list[str],
     with tempfile.TemporaryDirectory(prefix="bench_long-") as tmp:
         for length in args.lengths:
             base = {"model_cfg": model_cfg, "segments": segments[length], "threads": args.threads,
-                    "repeats": args.repeats, "seed": args.seed}
+                    "repeats": args.repeats, "seed": args.seed, "timeout_s": args.timeout_s}
             for name in (REFERENCE, *backends):
                 if name in failed_at:
                     result = {"error": f"not run: failed at L={failed_at[name]} already"}
