@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import subprocess
@@ -12,7 +13,7 @@ import torch
 from transformers import get_scheduler
 
 import mvp_engine.engine.testing as kit
-from mvp_engine.engine.config import ConfigError, resolve_run_specs
+from mvp_engine.engine.config import ConfigError, resolve_attention, resolve_run_specs
 from mvp_engine.engine.trainer import Trainer, run_recipe
 
 CONF = kit.CONF_DIR
@@ -108,3 +109,19 @@ def test_drop_last_drops_are_counted_with_their_reason(tmp_path):
     dropped = summary["totals"]["dropped"]
     assert dropped.get("drop_last", 0) > 0, dropped
     assert summary["totals"]["samples"] + dropped["drop_last"] == summary["planned"]["samples"]
+
+
+@pytest.mark.parametrize("recipe", ["qwen2_vl", "llava"])
+def test_auto_attention_resolves_per_run_kind_to_a_backend_this_machine_trains_with(recipe):
+    loaded = kit.load_recipe(recipe)
+    packed = resolve_run_specs(kit.compose_config(recipe, ["attention=auto", "+packing=greedy"]),
+                               loaded.attention_backends)
+    unpacked = resolve_run_specs(kit.compose_config(recipe, ["attention=auto"]), loaded.attention_backends)
+    flash = torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+    assert packed.attention == ("flash_attention_2" if flash else "sdpa_varlen")
+    assert unpacked.attention == ("flash_attention_2" if flash else "sdpa")
+
+
+def test_auto_attention_without_a_trainable_backend_names_the_key():
+    with pytest.raises(ConfigError, match="attention.implementation=auto found no backend"):
+        resolve_attention("auto", ("flex_attention",), packed=True)

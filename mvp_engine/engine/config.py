@@ -12,11 +12,13 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import SchedulerType
 
 from mvp_engine.kit.mllm.data import MLLMDataSpec, MLLMPackingAssembler, MLLMPackingSpec
+from mvp_engine.packing import SDPA_VARLEN
 
 from . import run_dir  # noqa: F401  (registers the ${run_stamp:...} resolver the configs use)
 from .loss import REDUCTIONS
 
 ATTENTION_BACKENDS = ("eager", "sdpa", "sdpa_varlen", "flex_attention", "flash_attention_2", "flash_attention_3")
+AUTO_ATTENTION = "auto"  # resolved per machine and run kind by resolve_attention
 MIXED_PRECISION = ("no", "bf16", "fp16")
 # The Hydra config root: conf/<recipe>.yaml is each recipe's primary config.
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -114,7 +116,8 @@ def check_attention(name: str, supported: tuple[str, ...], training: bool = True
     """A backend this recipe and this machine can run (train with, unless ``training=False``: forward only), or one
     line saying why not."""
     if name not in ATTENTION_BACKENDS:
-        raise ConfigError(f"attention.implementation={name!r} is unknown: allowed one of {list(ATTENTION_BACKENDS)}")
+        raise ConfigError(f"attention.implementation={name!r} is unknown: allowed one of "
+                          f"{[AUTO_ATTENTION, *ATTENTION_BACKENDS]}")
     if name not in supported:
         raise ConfigError(f"attention.implementation={name!r} is not supported here: allowed {list(supported)}")
     if name == "flex_attention" and training and not torch.cuda.is_available():
@@ -124,6 +127,25 @@ def check_attention(name: str, supported: tuple[str, ...], training: bool = True
         package = "flash_attn_interface" if name.endswith("3") else "flash_attn"
         if not torch.cuda.is_available() or importlib.util.find_spec(package) is None:
             raise ConfigError(f"attention.implementation={name!r} needs a CUDA GPU and the {package} package")
+
+
+def resolve_attention(name: str, supported: tuple[str, ...], packed: bool) -> str:
+    """``attention=auto``: the fastest exact backend this machine trains with, chosen per run kind. Packed runs
+    avoid the dense L x L block mask (``sdpa_varlen`` costs the sum of squared segment lengths; at 4 k tokens it
+    was 3x faster than the sdpa mask in ``tools/bench_long.py``); unpacked runs keep sdpa with its padding mask,
+    what a padded transformers run uses. flash_attention_2 wins wherever it can run. Any other name is kept."""
+    if name != AUTO_ATTENTION:
+        return name
+    preferred = ("flash_attention_2", SDPA_VARLEN, "sdpa") if packed else ("flash_attention_2", "sdpa")
+    for candidate in preferred:
+        if candidate not in supported:
+            continue
+        try:
+            check_attention(candidate, supported)
+        except ConfigError:
+            continue
+        return candidate
+    raise ConfigError(f"attention.implementation=auto found no backend to train with among {list(supported)}")
 
 
 def _to_object(node: DictConfig, schema: type, key: str):
@@ -156,7 +178,7 @@ def resolve_run_specs(cfg: DictConfig, supported_attention: tuple[str, ...]) -> 
         if not Path(source).is_file():
             raise ConfigError(f"data.sources: {source!r} is not a file")
     train = _to_object(cfg.train, TrainSpec, "train")
-    attention = str(cfg.attention.implementation)
+    attention = resolve_attention(str(cfg.attention.implementation), supported_attention, packed=packing is not None)
     check_attention(attention, supported_attention)
     return RunSpecs(data=data, demo=demo, train=train, attention=attention)
 

@@ -196,7 +196,8 @@ class Trainer:
         train = self.specs.train
         main = self.accelerator.is_main_process
         if main:
-            print(describe_processes(self.accelerator))
+            print(f"{describe_processes(self.accelerator)}; attention {self.specs.attention} "
+                  f"({'packed' if self.packed else 'unpacked'})")
             print(self.parameters.describe())
         optimizer, scheduler = self._optimizer_and_schedule()
         model, optimizer = self.accelerator.prepare(self.model, optimizer)
