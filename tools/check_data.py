@@ -34,10 +34,9 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from mvp_engine.engine.config import ConfigError, resolve_run_specs  # noqa: E402
+from mvp_engine.engine.config import ConfigError, data_with_sources, resolve_run_specs  # noqa: E402
 from mvp_engine.engine.testing import load_recipe  # noqa: E402
 from mvp_engine.kit.mllm.data import BadRecord, BadRecordReport, MLLMDataKit, MLLMRecordError  # noqa: E402
-from mvp_engine.kit.mllm.data.demo import write_demo_dataset  # noqa: E402
 
 DECODE_FLAG = "--decode"
 EXAMPLES = 3
@@ -82,9 +81,7 @@ def check_records(cfg: DictConfig, recipe: str, decode: bool = False, workers: i
     global _ENCODER
     loaded = load_recipe(recipe)
     specs = resolve_run_specs(cfg, loaded.attention_backends)
-    data = specs.data
-    if not data.sources:
-        data.sources = [str(write_demo_dataset(specs.demo.out_dir, specs.demo.num_samples, specs.demo.seed))]
+    data = data_with_sources(specs)
     report = BadRecordReport("skip", max_fraction=1.0)
     records = MLLMDataKit.read_records(data, report)
     _ENCODER = loaded.build_encoder(loaded.build_processor(cfg.model))

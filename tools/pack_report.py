@@ -42,11 +42,16 @@ import numpy as np  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from mvp_engine.engine.config import ConfigError, RunSpecs, TrainSpec, resolve_run_specs  # noqa: E402
+from mvp_engine.engine.config import (  # noqa: E402
+    ConfigError,
+    RunSpecs,
+    TrainSpec,
+    data_with_sources,
+    resolve_run_specs,
+)
 from mvp_engine.engine.recipe import Recipe  # noqa: E402
 from mvp_engine.engine.testing import load_recipe  # noqa: E402
 from mvp_engine.kit.mllm.data import MLLMCollator, MLLMDataKit, micro_batches_per_rank  # noqa: E402
-from mvp_engine.kit.mllm.data.demo import write_demo_dataset  # noqa: E402
 
 REPORT_DEFAULTS = REPO_ROOT / "conf" / "report" / "default.yaml"
 JSON_NAME = "report.json"
@@ -124,10 +129,7 @@ def build_planning_dataset(cfg: DictConfig, recipe: str, world_size: int = 1) ->
     loaded = load_recipe(recipe)
     specs = resolve_run_specs(cfg, loaded.attention_backends)
     encoder = loaded.build_encoder(loaded.build_processor(cfg.model))
-    data = specs.data
-    if not data.sources:
-        demo = specs.demo
-        data.sources = [str(write_demo_dataset(demo.out_dir, demo.num_samples, demo.seed))]
+    data = data_with_sources(specs)
     dataset = MLLMDataKit.build_dataset(data, encoder, rank=0, world_size=world_size,
                                         drop_last=specs.train.drop_last)
     return Planning(recipe=loaded, specs=specs, dataset=dataset, world_size=world_size)

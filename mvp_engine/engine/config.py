@@ -12,6 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import SchedulerType
 
 from mvp_engine.kit.mllm.data import MLLMDataSpec, MLLMPackingAssembler, MLLMPackingSpec
+from mvp_engine.kit.mllm.data.demo import write_demo_dataset
 from mvp_engine.packing import SDPA_VARLEN
 
 from . import run_dir  # noqa: F401  (registers the ${run_stamp:...} resolver the configs use)
@@ -104,6 +105,16 @@ class RunSpecs:
     demo: DemoSpec
     train: TrainSpec
     attention: str
+
+
+def data_with_sources(specs: RunSpecs) -> MLLMDataSpec:
+    """``specs.data``, its sources filled with the embedded demo set (written on first use) when it names none:
+    what the trainer and every tool over the run's data read."""
+    data = specs.data
+    if not data.sources:
+        demo = specs.demo
+        data.sources = [str(write_demo_dataset(demo.out_dir, demo.num_samples, demo.seed))]
+    return data
 
 
 def register_configs() -> None:

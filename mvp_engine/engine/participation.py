@@ -84,7 +84,7 @@ def has_media(batch: dict) -> bool:
 def _tensors(value):
     if isinstance(value, torch.Tensor):
         yield value
-    elif isinstance(value, dict) or hasattr(value, "values") and callable(value.values):
+    elif isinstance(value, dict):  # transformers' ModelOutput is a dict
         for item in value.values():
             yield from _tensors(item)
     elif isinstance(value, (list, tuple)):

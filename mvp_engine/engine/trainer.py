@@ -27,11 +27,10 @@ from mvp_engine.kit.mllm.data import (
     TokenAccounting,
     TooManyBadRecords,
 )
-from mvp_engine.kit.mllm.data.demo import write_demo_dataset
 from mvp_engine.kit.mllm.data.steps import micro_batches_per_rank
 
 from .checkpoint import Checkpointer, RunState, load_run_state, resolve_resume
-from .config import CONF_DIR, ConfigError, RunSpecs, resolve_run_specs
+from .config import CONF_DIR, ConfigError, RunSpecs, data_with_sources, resolve_run_specs
 from .launch import build_accelerator, describe_processes
 from .loss import token_weights, weighted_token_loss
 from .participation import dummy_media_loss, freeze_parameters, has_media
@@ -74,10 +73,7 @@ class Trainer:
         self.parameters = freeze_parameters(self.model, cfg.model.get("freeze") or [],
                                             recipe.unreachable_parameters(self.model))
         self.dummy_media = recipe.dummy_media(self.model)
-        data = self.specs.data
-        if not data.sources:
-            demo = self.specs.demo
-            data.sources = [str(write_demo_dataset(demo.out_dir, demo.num_samples, demo.seed))]
+        data = data_with_sources(self.specs)
         self.bad_records = BadRecordReport(data.on_bad_record, data.max_bad_fraction)
         self.dataset = MLLMDataKit.build_dataset(data, self.encoder, rank=self.accelerator.process_index,
                                                  world_size=self.accelerator.num_processes,
@@ -212,12 +208,16 @@ class Trainer:
         started = time.perf_counter()
         progress = tqdm(total=self.total_steps, initial=state.step, disable=not main, desc=f"{self.recipe.name} train")
         metrics = self._open_metrics(state) if main else nullcontext()
+        if main:
+            self._reset_dropped_records(state)
         with metrics, PreemptionWatch() as preemption:
             while state.epoch < train.epochs and stopped_by is None:
                 epoch = state.epoch
-                if state.micro_batches_done == 0:  # drops are counted once, when an epoch starts
+                if state.micro_batches_done == 0:  # drops are counted and listed once, when an epoch starts
                     ledgers.append(self.dataset.epoch_ledger(train.micro_batch_size, epoch))
                     totals.dropped.update(ledgers[-1].dropped)
+                    if main:
+                        self._list_dropped_records(epoch)
                 epoch_micro_batches = self._epoch_micro_batches(epoch)
                 for group in step_groups(self._loader(epoch, state.micro_batches_done),
                                          train.gradient_accumulation_steps):
@@ -254,8 +254,6 @@ class Trainer:
         progress.close()
         summary = self._summary(state, totals, ledgers, gather_object([local_steps]), time.perf_counter() - started)
         summary["stopped_by"] = stopped_by
-        if main:
-            self._write_record_files(ledgers)
         if stopped_by is None:
             self._save(model, summary)
         elif main:
@@ -294,17 +292,24 @@ class Trainer:
                 f"samples {step_counts.samples} padding {step_counts.padding_ratio:.1%} "
                 f"tok/s {record['tokens_per_s']:.0f}")
 
-    def _write_record_files(self, ledgers: list[RecordLedger]) -> None:
-        """``dropped_records.jsonl`` beside the summary: every record the run's epochs planned not to train, with
-        its reason (a million ids do not belong inline); ``bad_records.jsonl`` is kept current as faults appear."""
+    def _reset_dropped_records(self, state: RunState) -> None:
+        """``dropped_records.jsonl`` keeps the epochs the resumed position has already started (a killed run may
+        have listed the next one too)."""
+        path = self.output_dir / DROPPED_RECORDS
+        started = state.epoch + (1 if state.micro_batches_done else 0)
+        kept = [line for line in path.read_text().splitlines() if json.loads(line)["epoch"] < started] \
+            if state.step and path.is_file() else []
+        path.write_text("".join(line + "\n" for line in kept))
+
+    def _list_dropped_records(self, epoch: int) -> None:
+        """Append the epoch's dropped records (with reasons) beside the summary: a million ids do not belong
+        inline. ``bad_records.jsonl`` is kept current as faults appear."""
         records = self.dataset.records
-        with open(self.output_dir / DROPPED_RECORDS, "w") as handle:
-            for ledger in ledgers:
-                dropped = self.dataset.dropped_records(self.specs.train.micro_batch_size, ledger.epoch)
-                for index, reason in sorted(dropped.items()):
-                    handle.write(json.dumps({"epoch": ledger.epoch, "origin": records[index].origin,
-                                             "record_id": records[index].record_id, "reason": reason}) + "\n")
-        self.bad_records.write(self.bad_records_path)
+        dropped = self.dataset.dropped_records(self.specs.train.micro_batch_size, epoch)
+        with open(self.output_dir / DROPPED_RECORDS, "a") as handle:
+            for index, reason in sorted(dropped.items()):
+                handle.write(json.dumps({"epoch": epoch, "origin": records[index].origin,
+                                         "record_id": records[index].record_id, "reason": reason}) + "\n")
 
     def _summary(self, state: RunState, totals: TokenAccounting, ledgers: list[RecordLedger],
                  steps_per_rank: list[int], seconds: float) -> dict:

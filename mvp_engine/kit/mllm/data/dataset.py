@@ -64,6 +64,7 @@ class _PackedDatasetBase:
         self.epoch = 0
         self._plans: dict[int, EpochPlan] = {}
         self._rank_packs: dict[int, tuple[EpochPlan, list[list[int]]]] = {}
+        self._left_out: dict[int, tuple[EpochPlan, frozenset[int]]] = {}
 
     @cached_property
     def metas(self) -> list[SampleMeta | None]:
@@ -77,12 +78,6 @@ class _PackedDatasetBase:
         except MLLMRecordError as err:
             self.bad_records.add_error(err, "measure")
             return None
-
-    @property
-    def unmeasurable(self) -> dict[int, str]:
-        """Record index -> reason of the records left out because they could not be measured."""
-        return {i: self.bad_records.records[self.records[i].origin].reason
-                for i, meta in enumerate(self.metas) if meta is None}
 
     def record_order(self, epoch: int) -> list[int]:
         if not self.data_spec.shuffle:
@@ -145,18 +140,21 @@ class _PackedDatasetBase:
             self._rank_packs = {plan.epoch: cached}
         return cached[1]
 
-    def left_out_by_drop_last(self, micro_batch_size: int, epoch: int | None = None) -> list[int]:
+    def left_out_by_drop_last(self, micro_batch_size: int, epoch: int | None = None) -> frozenset[int]:
         """Records of the epoch's packs that no rank trains on: with ``drop_last`` the packs past an even split
-        across ranks and those of a rank's last partial micro-batch (none without ``drop_last``)."""
-        packs = self.plan(epoch).packs
-        served = micro_batches_per_rank(len(packs), micro_batch_size, self.world_size, self.drop_last) \
-            * micro_batch_size
-        served_packs = {k for rank in range(self.world_size)
-                        for k in range(rank, len(packs), self.world_size)[:served]}
-        return [i for k, pack in enumerate(packs) if k not in served_packs for i in pack]
-
-    def samples_left_out_by_drop_last(self, micro_batch_size: int, epoch: int | None = None) -> int:
-        return len(self.left_out_by_drop_last(micro_batch_size, epoch))
+        across ranks and those of a rank's last partial micro-batch (none without ``drop_last``). Cached with the
+        epoch's plan: the drop counts, the ledger and the dropped-records file all ask for it."""
+        plan = self.plan(epoch)
+        cached = self._left_out.get(micro_batch_size)
+        if cached is None or cached[0] is not plan:
+            packs = plan.packs
+            served = micro_batches_per_rank(len(packs), micro_batch_size, self.world_size, self.drop_last) \
+                * micro_batch_size
+            served_packs = {k for rank in range(self.world_size)
+                            for k in range(rank, len(packs), self.world_size)[:served]}
+            cached = (plan, frozenset(i for k, pack in enumerate(packs) if k not in served_packs for i in pack))
+            self._left_out = {micro_batch_size: cached}
+        return cached[1]
 
     def dropped_records(self, micro_batch_size: int, epoch: int | None = None) -> dict[int, str]:
         """Record index -> reason of every record the epoch plans not to train (bad records aside)."""
@@ -174,7 +172,7 @@ class _PackedDatasetBase:
             records_read=report.records_read,
             dropped=Counter(self.dropped_records(micro_batch_size, epoch).values()),
             bad=report.counts("read") + report.counts("measure"),
-            truncated=len(plan.truncated - set(self.left_out_by_drop_last(micro_batch_size, epoch))),
+            truncated=len(plan.truncated - self.left_out_by_drop_last(micro_batch_size, epoch)),
         )
 
     def encode_pack(self, record_indices: list[int], epoch: int | None = None) -> dict:
