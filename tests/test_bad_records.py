@@ -121,7 +121,7 @@ def test_a_truncation_that_leaves_no_supervised_token_is_a_counted_drop():
                         max_seq_len=20, overlong="truncate")
     ds = MLLMDataKit.build_dataset(spec, LateAnswer(), records=[fake_record(0, 40), fake_record(1, 45)])
     plan = ds.plan(0)
-    assert plan.packs == [] and plan.dropped == {0: "no_supervised_tokens", 1: "no_supervised_tokens"}
+    assert len(plan.packs) == 0 and plan.dropped == {0: "no_supervised_tokens", 1: "no_supervised_tokens"}
     assert ds.epoch_ledger(1, 0).dropped == Counter(no_supervised_tokens=2)
 
 

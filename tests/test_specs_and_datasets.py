@@ -63,7 +63,7 @@ def test_custom_assembler_end_to_end(cls):
     spec = MLLMDataSpec(packing=MLLMPackingSpec(max_seq_len=10, assembler_cls=cls), shuffle=False)
     dataset = MLLMDataKit.build_dataset(spec, FakeEncoder(), records=records)
     assert isinstance(dataset.assembler, NextFitAssembler)
-    assert dataset.plan().packs == [[0, 1], [2, 3], [4, 5, 6]]
+    assert list(dataset.plan().packs) == [[0, 1], [2, 3], [4, 5, 6]]
     batch = MLLMCollator(pad_token_id=0)([dataset[k] for k in range(len(dataset))])
     assert batch["source_sample_num"].tolist() == [2, 2, 3]
     assert batch["input_ids"].shape == (3, 10)

@@ -1,48 +1,54 @@
-"""End-to-end training throughput: the padded, unpacked baseline against packed training (greedy and bfd).
+"""Training throughput of packing against the strongest padded baselines: effective tokens/s at several L.
 
-Why: packing is only worth its complexity if a real training loop (encode, collate, prepare, forward, backward,
-optimizer step) trains more real tokens per second. This runs the recipe's own ``Trainer`` on the same tiny
-random model and the same demo records in three modes and compares effective (non-padding) tokens/s.
+Why: packing is worth its complexity only if it trains more real tokens per second than what a user would run
+without it. Random padded batches flatter it; Hugging Face's ``group_by_length`` and token-budget batching pad far
+less. And a packed run on its own attention kernel wins twice, once by packing and once by the kernel: (c') below
+takes the kernel's share out.
+
+Modes, on the same encoded samples (the demo's fixed-seed LLaVA-like mix), the same initial weights and the same
+optimizer settings, one epoch each, at every ``--lengths`` L (``data.max_seq_len`` = packing ``max_seq_len`` = L):
+
+- (a) ``random``: padded batches of ``--micro-batch`` samples in a seeded random order.
+- (b) ``group_by_length``: the same batch size in the order of transformers' own ``get_length_grouped_indices``
+  (what its ``LengthGroupedSampler`` uses: megabatches of 50 x batch size sorted by length, the longest batch
+  first; transformers picks fewer megabatches only on a data set smaller than 200 batches, which would pad more).
+- (c) ``token_budget``: samples sorted by length, longest first; each batch takes as many as fit rows x longest <=
+  the token budget; batch order shuffled with the seed.
+- (a)-(c) run as a padded transformers run does: the recipe's ``prepare_padded`` (a 2-D padding mask) on sdpa.
+- (c') ``token_budget_varlen``: (c)'s batches through the recipe's ``prepare_packed`` on sdpa_varlen: each row one
+  segment and its padding a segment of its own, so attention does no mask work on padding. Packed modes against
+  (c') measure what packing gains with the kernel held equal.
+- ``<strategy>/<backend>``: the DataKit's plan (``MLLMPackingAssembler`` on the strategy's ``conf/packing`` config,
+  greedy and bfd) in micro-batches of R packs, through ``prepare_packed`` on each of ``--packed-backends``.
+
+Token budget per micro-batch: R x L tokens, R = round(mean slots of (a)'s micro-batches / L), at least 1, so (a),
+(c), (c') and the packed modes see about the same number of token slots per forward; (b) keeps (a)'s batch size in
+samples, as a group_by_length user does. Every mode trains with gradient accumulation 1.
+
+What is timed, per micro-batch, as the trainer's step does it: the recipe's prepare hook + forward + the token loss
+(``train.loss_reduction``) + the zero-weighted dummy media pass on a micro-batch without images + backward +
+gradient clipping + AdamW step. Encoding, planning and collation happen outside the timer (a real run does them in
+DataLoader workers), the same work in every mode. Effective tokens are the non-padding tokens.
 
 Fairness, and why each choice:
 
-- Same seed, same demo file, same ``data.max_seq_len`` and overlong policy in every mode (the packing config
-  interpolates both from ``data``), so exactly the same records are admitted; the tool checks that every mode
-  trained the same number of samples and stops otherwise.
-- Same token budget per micro-batch, not the same number of rows: a packed row holds many samples, so equal
-  rows would hand packing several times more tokens per forward. The padded baseline runs first with
-  ``--micro-batch M`` samples per batch; its mean slot count per micro-batch (rows x padded width, from the
-  trainer's own accounting) sets the packed micro-batch to ``max(1, round(mean_slots / max_seq_len))`` rows of
-  ``max_seq_len``, so packed and padded forwards see about the same number of token slots.
-- Warm-up: every mode first trains once on a small separate demo set, so one-off costs (lazy imports, kernel
-  selection, allocator growth) do not land on whichever mode runs first.
-- Noise: the modes run interleaved for ``--repeats`` rounds and each mode keeps its fastest round (the run
-  least disturbed by other processes). ``--threads`` (default 1) fixes torch's intra-op threads: with two
-  OpenMP threads on two cores shared with other processes, every parallel region waits for a descheduled
-  thread and runs became 10-20x slower at random (measured), which swamps any packing effect.
-- One epoch each; the optimizer step counts differ by design (fewer, fuller batches when packed) and are
-  printed, as are samples/s, so a change in what was trained cannot hide behind tokens/s.
+- Same samples: the recipe's encoder runs once; at each L the unpacked run's admission (``data.overlong=drop``)
+  leaves out samples longer than L, and every mode trains each remaining sample exactly once; the tool stops when
+  the modes' sample sets or effective token counts differ.
+- Same init: one model per attention backend from the recipe's seeded ``build_model``; every epoch first loads the
+  same initial state dict and starts a fresh AdamW with the config's ``train`` settings.
+- Noise: at each L one untimed micro-batch of every mode pays one-off costs, then the modes run interleaved for
+  ``--repeats`` rounds and each keeps its fastest epoch (the one least disturbed by other processes). ``--threads``
+  (default 1) fixes torch's intra-op threads: with two OpenMP threads on two cores shared with other processes,
+  every parallel region waits for a descheduled thread and steps became 10-20x slower at random (measured).
+- Nothing is tuned per mode: batch sizes follow from ``--micro-batch`` and the rule above.
 
-Two rates are printed per mode. ``tokens/s`` (the target's) is the trainer's summary: effective tokens over the
-whole epoch loop, data preparation included. ``step tokens/s`` sums only the trainer's per-step timings
-(forward, backward, optimizer; ``metrics.jsonl``), leaving out encoding samples in the main process, which costs
-the same in every mode and which a real run overlaps with DataLoader workers.
+Targets, for ``bfd`` on the default packed backend (``attention=auto`` for packed runs on this machine: sdpa_varlen
+on CPU), each printed with its measured value and OK/MISS: at L >= 2048, >= 1.10x (c) and >= 1.5x (b); at smaller
+L, >= 1.0x (c); at every L, >= 1.0x (c').
 
-Target: packed >= 2.0x padded effective tokens/s on the demo mix (each of greedy and bfd); printed as OK/MISS.
-What bounds the ratio: packing removes only the padded baseline's padding, so the slot ratio is at most
-1 / (1 - padding ratio); costs that follow real tokens or images (vision tower, sample encoding, per-sample Python
-work) do not shrink at all. Attention: the baseline runs ``--padded-attention`` (sdpa, as a padded HF run does);
-packed runs use ``--packed-attention`` (default ``sdpa_varlen``, per-sample attention costing the sum of squared
-segment lengths; with ``sdpa`` a packed row pays a dense L x L block-causal mask, printed for comparison with
-``--packed-attention sdpa``).
-
-The default baseline is 16 samples per micro-batch, LLaVA-1.5's per-device batch size; ``--micro-batch 4`` (the
-demo config's) pads less (39 %) and so leaves packing less to win.
-
-    python tools/bench_train.py [--recipe qwen2_vl] [--samples 300] [--max-seq-len N] [--micro-batch 16]
-        [--repeats 3] [--threads 1] [--packed-attention sdpa_varlen]
-
-``--max-seq-len`` defaults to the recipe config's ``data.max_seq_len`` (1024 for qwen2_vl).
+    python tools/bench_train.py [--recipe qwen2_vl] [--samples 300] [--lengths 1024 2048 4096]
+        [--micro-batch 16] [--packed-backends sdpa_varlen sdpa] [--repeats 2] [--threads 1] [--seed 0]
 
 ``main(argv)`` returns what it printed as a dict (used by ``tests/test_bench_train.py``).
 """
@@ -50,219 +56,384 @@ demo config's) pads less (39 %) and so leaves packing less to win.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib
-import io
-import json
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as ``python tools/bench_train.py`` without an installed package
     sys.path.insert(0, str(REPO_ROOT))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
+from transformers.trainer_pt_utils import get_length_grouped_indices  # noqa: E402
 
-from mvp_engine.engine.trainer import Trainer  # noqa: E402
+from mvp_engine.engine.config import (  # noqa: E402
+    AUTO_ATTENTION,
+    RunSpecs,
+    data_with_sources,
+    resolve_attention,
+    resolve_run_specs,
+)
+from mvp_engine.engine.loss import weighted_token_loss  # noqa: E402
+from mvp_engine.engine.participation import dummy_media_loss, freeze_parameters, has_media  # noqa: E402
+from mvp_engine.engine.recipe import Recipe  # noqa: E402
+from mvp_engine.engine.testing import compose_config, load_recipe  # noqa: E402
+from mvp_engine.kit.mllm.data import (  # noqa: E402
+    MLLMCollator,
+    MLLMPack,
+    MLLMPackingAssembler,
+    MLLMSample,
+    read_records,
+)
+from mvp_engine.packing import SDPA_VARLEN  # noqa: E402
 
-CONF_DIR = REPO_ROOT / "conf"
-TARGET_RATIO = 2.0
-PADDED = "padded"
-PACKED_STRATEGIES = ("greedy", "bfd")
-WARMUP_SAMPLES = 16
+DEFAULT_LENGTHS = (1024, 2048, 4096)
+PADDED_ATTENTION = "sdpa"  # what a padded transformers run uses on CPU
+HF_MEGA_BATCH_MULT = 50  # transformers' megabatch multiple on any data set of at least 200 batches
+STRATEGIES = ("greedy", "bfd")
+TARGET_STRATEGY = "bfd"
 
-
-def load_recipe(name: str):
-    """The ``RECIPE`` object of ``recipes/<name>/train.py``, the same one its Hydra entry point runs."""
-    return importlib.import_module(f"recipes.{name}.train").RECIPE
-
-
-def compose_config(recipe: str, overrides: list[str]) -> DictConfig:
-    """The recipe's primary config with ``overrides``, composed as the Hydra entry point would."""
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name=recipe, overrides=overrides)
-
-
-def common_overrides(args: argparse.Namespace, samples: int, workdir: Path) -> list[str]:
-    """What every mode shares: data, limits, seeds, one epoch, no per-step log lines."""
-    return [
-        f"demo.num_samples={samples}",
-        f"demo.out_dir={workdir / f'demo-{samples}'}",
-        f"data.max_seq_len={args.max_seq_len}",
-        f"data.seed={args.seed}",
-        f"train.seed={args.seed}",
-        "train.epochs=1",
-        "train.gradient_accumulation_steps=1",
-        f"train.log_every={10**9}",
-        f"train.num_workers={args.num_workers}",
-    ]
-
-
-def mode_overrides(args: argparse.Namespace, mode: str, micro_batch: int, output_dir: Path) -> list[str]:
-    """What differs per mode: packing (none for the padded baseline), attention backend, rows per micro-batch."""
-    packing = [] if mode == PADDED else [f"+packing={mode}"]
-    attention = args.padded_attention if mode == PADDED else args.packed_attention
-    return packing + [f"attention={attention}", f"train.micro_batch_size={micro_batch}",
-                      f"train.output_dir={output_dir}"]
+RANDOM, GROUPED, BUDGET, BUDGET_VARLEN = "random", "group_by_length", "token_budget", "token_budget_varlen"
+BASELINES = (RANDOM, GROUPED, BUDGET, BUDGET_VARLEN)
+LABELS = {RANDOM: "(a)", GROUPED: "(b)", BUDGET: "(c)", BUDGET_VARLEN: "(c')"}
+LONG_FROM = 2048  # the L from which the stronger targets apply
+TARGETS_LONG = ((BUDGET, 1.10), (GROUPED, 1.5), (BUDGET_VARLEN, 1.0))
+TARGETS_SHORT = ((BUDGET, 1.0), (BUDGET_VARLEN, 1.0))
 
 
-@contextlib.contextmanager
-def _silenced():
-    buffer = io.StringIO()
-    with contextlib.redirect_stdout(buffer), contextlib.redirect_stderr(buffer):
-        yield
+# ------------------------------------------------------------------------------------------------------ batching
 
 
-def train_once(recipe_name: str, overrides: list[str], verbose: bool) -> dict:
-    """One ``Trainer(cfg, recipe).run()``; its progress bar and summary line are swallowed unless ``verbose``."""
-    cfg = compose_config(recipe_name, overrides)
-    with contextlib.nullcontext() if verbose else _silenced():
-        return Trainer(cfg, load_recipe(recipe_name)).run()
+@dataclass
+class Mode:
+    """One way of batching the same samples: micro-batches of rows of sample indices, and how they are run."""
+
+    name: str
+    attention: str
+    packed_call: bool  # prepare_packed (segments from pack_segment_ids) or prepare_padded (a 2-D padding mask)
+    batches: list[list[list[int]]]
+
+    @property
+    def label(self) -> str:
+        return LABELS.get(self.name, "packed")
 
 
-def step_seconds(output_dir: str) -> float:
-    """Time spent inside optimizer steps, summed from the trainer's ``metrics.jsonl`` (excludes data loading)."""
-    with open(Path(output_dir) / "metrics.jsonl") as handle:
-        records = [json.loads(line) for line in handle if line.strip()]
-    return sum(r["effective_tokens"] / r["tokens_per_s"] for r in records if r["tokens_per_s"])
+def chunks(items: list, size: int) -> list[list]:
+    return [items[i:i + size] for i in range(0, len(items), size)]
 
 
-def measure(summary: dict, mode: str, micro_batch: int) -> dict:
-    """The numbers compared across modes, all from the trainer's own accounting and timers."""
-    totals = summary["totals"]
-    seconds = summary["seconds"]
-    in_steps = step_seconds(summary["output_dir"])
-    return {
-        "mode": mode,
-        "micro_batch": micro_batch,
-        "steps": summary["actual_steps"],
-        "batches": totals["batches"],
-        "packs": totals["packs"],
-        "samples": totals["samples"],
-        "effective_tokens": totals["effective"],
-        "slots": totals["slots"],
-        "padding_ratio": totals["padding_ratio"],
-        "dropped": totals["dropped_total"],
-        "seconds": seconds,
-        "tokens_per_s": summary["effective_tokens_per_s"],
-        "samples_per_s": totals["samples"] / seconds if seconds else 0.0,
-        "step_seconds": in_steps,
-        "step_tokens_per_s": totals["effective"] / in_steps if in_steps else 0.0,
-    }
+def one_per_row(batches: list[list[int]]) -> list[list[list[int]]]:
+    return [[[i] for i in batch] for batch in batches]
 
 
-def packed_micro_batch(padded: dict, max_seq_len: int) -> int:
-    """Rows of ``max_seq_len`` holding about as many slots as the padded baseline's mean micro-batch."""
-    mean_slots = padded["slots"] / max(1, padded["batches"])
-    return max(1, round(mean_slots / max_seq_len))
+def random_batches(count: int, batch_size: int, seed: int) -> list[list[int]]:
+    """A seeded random order cut into batches, as a shuffling sampler and a DataLoader give."""
+    order = torch.randperm(count, generator=torch.Generator().manual_seed(seed)).tolist()
+    return chunks(order, batch_size)
 
 
-def run_mode(args: argparse.Namespace, workdir: Path, samples: int, mode: str, micro_batch: int, tag: str) -> dict:
-    overrides = common_overrides(args, samples, workdir) + mode_overrides(args, mode, micro_batch, workdir / tag)
-    return measure(train_once(args.recipe, overrides, args.verbose), mode, micro_batch)
+def group_by_length_batches(lengths: list[int], batch_size: int, seed: int) -> list[list[int]]:
+    """transformers' ``LengthGroupedSampler`` order (its own function) cut into batches, as its Trainer does."""
+    order = get_length_grouped_indices(lengths, batch_size, mega_batch_mult=HF_MEGA_BATCH_MULT,
+                                       generator=torch.Generator().manual_seed(seed))
+    return chunks(order, batch_size)
 
 
-def warm_up(args: argparse.Namespace, workdir: Path) -> None:
-    """Train every mode once on a few samples so first-call costs are paid before anything is timed."""
-    for mode in (PADDED, *PACKED_STRATEGIES):
-        run_mode(args, workdir, WARMUP_SAMPLES, mode, args.micro_batch if mode == PADDED else 1, "warmup")
+def token_budget_batches(lengths: list[int], budget: int, seed: int) -> list[list[int]]:
+    """Longest first, each batch growing while its rows x its first (longest) sample fit ``budget``; the batch
+    order is shuffled so long batches do not all come first."""
+    batches: list[list[int]] = []
+    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= budget:
+            batches[-1].append(index)
+        else:
+            batches.append([index])
+    return [batches[j] for j in np.random.default_rng(seed).permutation(len(batches)).tolist()]
 
 
-def run_rounds(args: argparse.Namespace, workdir: Path) -> list[dict]:
-    """``--repeats`` interleaved rounds of every mode; each mode keeps its fastest run.
+def budget_rows(random: list[list[int]], lengths: list[int], length: int) -> int:
+    """Packed rows per micro-batch: as many L-token rows as (a)'s mean micro-batch has slots (rows x longest)."""
+    slots = [len(batch) * max(lengths[i] for i in batch) for batch in random]
+    return max(1, round(sum(slots) / len(slots) / length))
 
-    The padded baseline of the first round sizes the packed micro-batch for all rounds.
-    """
+
+# ------------------------------------------------------------------------------------------------ config and data
+
+
+def run_config(args: argparse.Namespace, workdir: Path, length: int, strategy: str | None = None) -> DictConfig:
+    """The config of a training run at ``data.max_seq_len=length`` (with ``+packing=strategy``)."""
+    overrides = [f"demo.num_samples={args.samples}", f"demo.out_dir={workdir / 'demo'}", f"data.seed={args.seed}",
+                 f"train.seed={args.seed}", f"data.max_seq_len={length}", f"model.seed={args.seed}"]
+    return compose_config(args.recipe, overrides + ([] if strategy is None else [f"+packing={strategy}"]))
+
+
+def run_specs(args: argparse.Namespace, recipe: Recipe, workdir: Path, length: int,
+              strategy: str | None = None) -> RunSpecs:
+    """That run's validated specs: its data admission and packing spec, its train settings."""
+    return resolve_run_specs(run_config(args, workdir, length, strategy), recipe.attention_backends)
+
+
+def encode_samples(specs: RunSpecs, recipe: Recipe, processor) -> list[MLLMSample]:
+    """Every demo record encoded once by the recipe's encoder; all modes and lengths share them."""
+    data = data_with_sources(specs)
+    encoder = recipe.build_encoder(processor)
+    return [encoder.encode(record) for source in data.sources
+            for record in read_records(source, data.image_root, allow_leading_assistant=data.allow_leading_assistant)]
+
+
+def plan(spec, samples: list[MLLMSample]) -> tuple[list[list[int]], dict[int, str]]:
+    """The DataKit's plan of ``samples`` under ``spec`` (lengths and media counts only) and its drops."""
+    report = MLLMPackingAssembler.from_spec(spec).plan_with_report([s.length for s in samples],
+                                                                   [s.num_media for s in samples])
+    return report.packs, report.dropped
+
+
+def build_modes(args, recipe: Recipe, workdir: Path, length: int, samples: list[MLLMSample],
+                default_backend: str) -> tuple[list[Mode], int]:
+    """Every mode's micro-batches at L = ``length`` over the same admitted samples, and the packed rows R."""
+    lengths = [s.length for s in samples]
+    random = random_batches(len(samples), args.micro_batch, args.seed)
+    rows = budget_rows(random, lengths, length)
+    budget = token_budget_batches(lengths, rows * length, args.seed)
+    modes = [Mode(RANDOM, PADDED_ATTENTION, False, one_per_row(random)),
+             Mode(GROUPED, PADDED_ATTENTION, False,
+                  one_per_row(group_by_length_batches(lengths, args.micro_batch, args.seed))),
+             Mode(BUDGET, PADDED_ATTENTION, False, one_per_row(budget)),
+             Mode(BUDGET_VARLEN, SDPA_VARLEN, True, one_per_row(budget))]
+    for strategy in STRATEGIES:
+        packs, dropped = plan(run_specs(args, recipe, workdir, length, strategy).data.packing, samples)
+        if dropped:
+            raise SystemExit(f"{strategy} at L={length} dropped admitted samples: {dropped}")
+        modes += [Mode(f"{strategy}/{backend}", backend, True, chunks(packs, rows))
+                  for backend in packed_backends(args, default_backend)]
+    return modes, rows
+
+
+def packed_backends(args: argparse.Namespace, default_backend: str) -> list[str]:
+    """``--packed-backends`` with the default backend first (the targets need it)."""
+    return list(dict.fromkeys([default_backend, *args.packed_backends]))
+
+
+def check_same_samples(modes: list[Mode], count: int) -> None:
+    """Every mode must train each admitted sample exactly once, or the comparison means nothing."""
+    for mode in modes:
+        trained = sorted(i for batch in mode.batches for row in batch for i in row)
+        if trained != list(range(count)):
+            raise SystemExit(f"{mode.name} does not train each of the {count} samples exactly once")
+
+
+# ------------------------------------------------------------------------------------------------------ training
+
+
+@dataclass
+class Harness:
+    """One model per attention backend, all loaded with ``initial`` before each epoch, and the step settings."""
+
+    recipe: Recipe
+    specs: RunSpecs
+    collator: MLLMCollator
+    models: dict = field(default_factory=dict)
+    initial: dict = field(default_factory=dict)
+    dummy_media: dict = field(default_factory=dict)
+
+
+def build_harness(recipe: Recipe, specs: RunSpecs, processor, cfg_model, backends: list[str]) -> Harness:
+    harness = Harness(recipe, specs, MLLMCollator(recipe.pad_token_id(processor), specs.train.pad_to_multiple_of))
+    for backend in backends:
+        model = recipe.build_model(cfg_model, backend)
+        freeze_parameters(model, cfg_model.get("freeze") or [], recipe.unreachable_parameters(model))
+        harness.models[backend] = model.train()
+    first = harness.models[backends[0]]
+    harness.initial = {key: value.detach().clone() for key, value in first.state_dict().items()}
+    harness.dummy_media = recipe.dummy_media(first)
+    return harness
+
+
+def collate(harness: Harness, samples: list[MLLMSample], rows: list[list[int]]) -> dict:
+    """One micro-batch as training builds it: a ``MLLMPack`` per row (one sample when unpacked), collated."""
+    return harness.collator([MLLMPack([samples[i] for i in row]).to_model_inputs() for row in rows])
+
+
+def train_step(harness: Harness, model, optimizer, mode: Mode, batch: dict) -> None:
+    """The trainer's step at accumulation 1 on one rank: prepare, forward, loss, backward, clip, AdamW."""
+    recipe, train = harness.recipe, harness.specs.train
+    prepare = recipe.prepare_packed if mode.packed_call else recipe.prepare_padded
+    logits = model(**prepare(batch, model, mode.attention)).logits
+    part = weighted_token_loss(logits, batch["labels"], batch["pack_segment_ids"], train.loss_reduction)
+    loss = part.weighted_sum / part.weight_total.clamp(min=1e-12)
+    if not has_media(batch):
+        loss = loss + dummy_media_loss(model, harness.dummy_media)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], train.max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def run_epoch(harness: Harness, mode: Mode, samples: list[MLLMSample], batches: list[list[list[int]]]) -> dict:
+    """Train ``batches`` from the initial weights; step seconds and the token accounting of what was trained."""
+    model = harness.models[mode.attention]
+    model.load_state_dict(harness.initial)
+    train = harness.specs.train
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=train.learning_rate,
+                                  weight_decay=train.weight_decay)
+    seconds, effective, slots, trained = 0.0, 0, 0, 0
+    for rows in batches:
+        batch = collate(harness, samples, rows)
+        start = time.perf_counter()
+        train_step(harness, model, optimizer, mode, batch)
+        seconds += time.perf_counter() - start
+        effective += int((batch["pack_segment_ids"] >= 0).sum())
+        slots += batch["pack_segment_ids"].numel()
+        trained += int(batch["source_sample_num"].sum())
+    return {"seconds": seconds, "effective_tokens": effective, "slots": slots, "samples": trained}
+
+
+def measure_length(args, harness: Harness, workdir: Path, length: int, samples: list[MLLMSample],
+                   default_backend: str) -> dict:
+    """All modes at one L: admission, batches, one untimed micro-batch each, then the interleaved timed rounds."""
+    packs, dropped = plan(run_specs(args, harness.recipe, workdir, length).data.effective_packing(), samples)
+    admitted = [samples[i] for (i,) in packs]
+    modes, rows = build_modes(args, harness.recipe, workdir, length, admitted, default_backend)
+    check_same_samples(modes, len(admitted))
+    for mode in modes:
+        run_epoch(harness, mode, admitted, mode.batches[:1])
     best: dict[str, dict] = {}
-    rows = None
     for round_index in range(args.repeats):
-        for mode in (PADDED, *PACKED_STRATEGIES):
-            micro_batch = args.micro_batch if mode == PADDED else rows
-            result = run_mode(args, workdir, args.samples, mode, micro_batch, f"{mode}-{round_index}")
-            if mode == PADDED and rows is None:
-                rows = packed_micro_batch(result, args.max_seq_len)
-            if mode not in best or result["seconds"] < best[mode]["seconds"]:
-                best[mode] = result
-    return [best[mode] for mode in (PADDED, *PACKED_STRATEGIES)]
+        for mode in modes:
+            progress(f"L={length} round {round_index + 1}/{args.repeats}: {mode.name} ...")
+            result = run_epoch(harness, mode, admitted, mode.batches)
+            if mode.name not in best or result["seconds"] < best[mode.name]["seconds"]:
+                best[mode.name] = result
+    results = [mode_result(mode, best[mode.name]) for mode in modes]
+    if len({(r["samples"], r["effective_tokens"]) for r in results}) != 1:
+        raise SystemExit(f"modes trained different data at L={length}: "
+                         f"{[(r['mode'], r['samples'], r['effective_tokens']) for r in results]}")
+    return {"length": length, "admitted": len(admitted), "dropped": len(dropped), "rows": rows,
+            "budget": rows * length, "results": results, "ratios": ratios(results)}
 
 
-def check_same_samples(results: list[dict]) -> None:
-    """Every mode must have trained the same samples, or the comparison means nothing."""
-    counts = {r["mode"]: (r["samples"], r["effective_tokens"], r["dropped"]) for r in results}
-    if len(set(counts.values())) != 1:
-        raise SystemExit(f"modes trained different data (samples, effective tokens, dropped): {counts}")
+def mode_result(mode: Mode, run: dict) -> dict:
+    return {"mode": mode.name, "label": mode.label, "attention": mode.attention,
+            "call": "prepare_packed" if mode.packed_call else "prepare_padded", "batches": mode.batches,
+            "steps": len(mode.batches), "rows_per_step": sum(map(len, mode.batches)) / len(mode.batches), **run,
+            "padding_ratio": 1 - run["effective_tokens"] / run["slots"],
+            "tokens_per_s": run["effective_tokens"] / run["seconds"]}
 
 
-def format_row(r: dict, max_seq_len: int) -> str:
-    shape = f"{r['micro_batch']} samples" if r["mode"] == PADDED else f"{r['micro_batch']} x {max_seq_len}"
-    return (f"{r['mode']:7s} micro-batch {shape:11s} steps {r['steps']:5d}  samples {r['samples']:6d}  "
-            f"effective tokens {r['effective_tokens']:8d}  padding {r['padding_ratio']:6.1%}  "
-            f"seconds {r['seconds']:7.2f}  tokens/s {r['tokens_per_s']:9.1f}  samples/s {r['samples_per_s']:8.2f}  "
-            f"step tokens/s {r['step_tokens_per_s']:9.1f}")
+def ratios(results: list[dict]) -> dict[str, dict[str, float]]:
+    """Effective tokens/s of every packed mode over each baseline's."""
+    rate = {r["mode"]: r["tokens_per_s"] for r in results}
+    return {r["mode"]: {base: r["tokens_per_s"] / rate[base] for base in BASELINES}
+            for r in results if r["mode"] not in BASELINES}
 
 
-def ratios(results: list[dict], key: str) -> dict[str, float]:
-    padded = results[0][key]
-    return {r["mode"]: (r[key] / padded if padded else 0.0) for r in results[1:]}
+def progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
-def report(args: argparse.Namespace, results: list[dict], seconds: float) -> dict:
-    """Print the table and one ratio line per strategy; return everything printed as a dict."""
-    padded = results[0]
-    print(f"recipe {args.recipe}, {args.samples} demo samples, max_seq_len {args.max_seq_len}, seed {args.seed}, "
-          f"torch threads {torch.get_num_threads()}, best of {args.repeats}; padded micro-batch {args.micro_batch} "
-          f"samples (mean {padded['slots'] / max(1, padded['batches']):.0f} slots) vs packed "
-          f"{results[1]['micro_batch']} x {args.max_seq_len}; attention padded {args.padded_attention}, packed "
-          f"{args.packed_attention}")
-    for r in results:
-        print(format_row(r, args.max_seq_len))
-    token_ratios, step_ratios = ratios(results, "tokens_per_s"), ratios(results, "step_tokens_per_s")
-    for mode, ratio in token_ratios.items():
-        verdict = "OK" if ratio >= TARGET_RATIO else "MISS"
-        print(f"{mode}/padded effective tokens/s: {ratio:.3f}x (target >= {TARGET_RATIO}x) -> {verdict}; "
-              f"step tokens/s {step_ratios[mode]:.3f}x")
-    print(f"bench time {seconds:.1f} s (warm-up included)")
-    return {"results": results, "ratios": token_ratios, "step_ratios": step_ratios, "target": TARGET_RATIO,
-            "ok": all(ratio >= TARGET_RATIO for ratio in token_ratios.values()), "seconds": seconds}
+# -------------------------------------------------------------------------------------------------------- report
 
 
-def fill_config_defaults(args: argparse.Namespace) -> None:
-    """Unset ``--max-seq-len`` / ``--micro-batch`` mean what the recipe trains with: its config's values."""
-    if args.max_seq_len is None or args.micro_batch is None:
-        cfg = compose_config(args.recipe, [])
-        args.max_seq_len = args.max_seq_len or int(cfg.data.max_seq_len)
-        args.micro_batch = args.micro_batch or int(cfg.train.micro_batch_size)
+def targets(measured: dict, target_mode: str) -> list[dict]:
+    """The targets at this L for ``target_mode``, each with its value and verdict."""
+    length = measured["length"]
+    out = []
+    for base, limit in TARGETS_LONG if length >= LONG_FROM else TARGETS_SHORT:
+        value = measured["ratios"][target_mode][base]
+        ok = value >= limit
+        out.append({"length": length, "mode": target_mode, "baseline": base, "limit": limit, "value": value, "ok": ok,
+                    "line": f"target L={length}: {target_mode} >= {limit:.2f}x {LABELS[base]} {base}: {value:.3f}x -> "
+                            f"{'OK' if ok else 'MISS'}"})
+    return out
+
+
+def table_lines(measured: dict) -> list[str]:
+    lines = [f"L={measured['length']}: {measured['admitted']} samples ({measured['dropped']} longer than L left out), "
+             f"{measured['results'][0]['effective_tokens']} effective tokens; token budget {measured['rows']} x "
+             f"{measured['length']} = {measured['budget']} per micro-batch",
+             f"  {'mode':<32s} {'attention':<12s} {'call':<15s} {'steps':>5s} {'rows/step':>9s} {'padding':>8s} "
+             f"{'seconds':>8s} {'tokens/s':>9s}"]
+    for r in measured["results"]:
+        lines.append(f"  {r['label'] + ' ' + r['mode']:<32s} {r['attention']:<12s} {r['call']:<15s} {r['steps']:5d} "
+                     f"{r['rows_per_step']:9.1f} {r['padding_ratio']:8.1%} {r['seconds']:8.2f} "
+                     f"{r['tokens_per_s']:9.1f}")
+    lines.append(f"  {'ratio of tokens/s':<32s} " + " ".join(f"{LABELS[b] + ' ' + b:>24s}" for b in BASELINES))
+    for mode, by_base in measured["ratios"].items():
+        lines.append(f"  {mode:<32s} " + " ".join(f"{by_base[b]:>23.3f}x" for b in BASELINES))
+    return lines
+
+
+def summary_lines(per_length: list[dict]) -> list[str]:
+    """Effective tokens/s of every mode at every L in one table (what the README shows)."""
+    names = [r["mode"] for r in per_length[0]["results"]]
+    lines = ["summary, effective tokens/s:", f"  {'L':>6s} " + " ".join(f"{n:>19s}" for n in names)]
+    for measured in per_length:
+        lines.append(f"  {measured['length']:>6d} " + " ".join(f"{r['tokens_per_s']:>19.1f}"
+                                                              for r in measured["results"]))
+    return lines
+
+
+def report(args, per_length: list[dict], default_backend: str, seconds: float) -> dict:
+    """Print the tables, the summary and the targets; return everything printed as a dict."""
+    target_mode = f"{TARGET_STRATEGY}/{default_backend}"
+    lines = [f"recipe {args.recipe}, {args.samples} demo samples, seed {args.seed}, torch threads "
+             f"{torch.get_num_threads()}, best of {args.repeats} interleaved epochs per mode; (a)/(b) "
+             f"{args.micro_batch} samples per micro-batch, (b) megabatches of {HF_MEGA_BATCH_MULT} x "
+             f"{args.micro_batch}; timed: prepare + forward + loss + backward + clip + AdamW step per micro-batch; "
+             f"packed default backend {default_backend}"]
+    for measured in per_length:
+        lines += table_lines(measured)
+    lines += summary_lines(per_length)
+    found = [t for measured in per_length for t in targets(measured, target_mode)]
+    lines += [t["line"] for t in found]
+    lines.append(f"bench time {seconds:.1f} s")
+    print("\n".join(lines))
+    return {"lengths": per_length, "targets": found, "ok": all(t["ok"] for t in found), "target_mode": target_mode,
+            "default_backend": default_backend, "seconds": seconds, "lines": lines}
+
+
+# ---------------------------------------------------------------------------------------------------------- main
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", default="qwen2_vl", help="recipes/<name>/train.py and conf/<name>.yaml")
-    parser.add_argument("--samples", type=int, default=300, help="demo.num_samples")
-    parser.add_argument("--max-seq-len", type=int, help="data.max_seq_len, packs use the same (default: config's)")
+    parser.add_argument("--samples", type=int, default=300, help="demo.num_samples: records of the demo mix")
+    parser.add_argument("--lengths", type=int, nargs="+", default=list(DEFAULT_LENGTHS),
+                        help="L values: data.max_seq_len and packing max_seq_len")
     parser.add_argument("--micro-batch", type=int, default=16,
-                        help="samples per padded micro-batch (default 16, LLaVA-1.5's per-device batch)")
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds; each mode keeps its fastest")
+                        help="samples per (a)/(b) micro-batch (default 16, LLaVA-1.5's per-device batch)")
+    parser.add_argument("--packed-backends", nargs="+", default=[SDPA_VARLEN, "sdpa"],
+                        help="attention backends of the packed modes (the default packed backend is always run)")
+    parser.add_argument("--repeats", type=int, default=2, help="interleaved rounds; each mode keeps its fastest")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: leave torch's default)")
-    parser.add_argument("--num-workers", type=int, default=1,
-                        help="train.num_workers for every mode: encoding overlaps compute, as in a real run")
-    parser.add_argument("--padded-attention", default="sdpa", help="attention backend of the padded baseline")
-    parser.add_argument("--packed-attention", default="sdpa_varlen",
-                        help="attention backend of the packed runs (sdpa_varlen: per-sample attention, no L x L mask)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up runs")
-    parser.add_argument("--verbose", action="store_true", help="show the trainer's progress bars and summaries")
+    parser.add_argument("--seed", type=int, default=0, help="demo data, batch orders, plans and initial weights")
     args = parser.parse_args(argv)
-    fill_config_defaults(args)
-    for name in ("samples", "max_seq_len", "micro_batch", "repeats"):
+    for name in ("samples", "micro_batch", "repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.threads < 0:
-        parser.error("--threads must be >= 0")
+    if min(args.lengths) < 2 or args.threads < 0:
+        parser.error("--lengths must be >= 2 and --threads >= 0")
     return args
+
+
+def run(args: argparse.Namespace, workdir: Path) -> tuple[list[dict], str]:
+    recipe = load_recipe(args.recipe)
+    cfg = run_config(args, workdir, max(args.lengths))
+    specs = resolve_run_specs(cfg, recipe.attention_backends)
+    cfg_model = cfg.model
+    processor = recipe.build_processor(cfg_model)
+    default_backend = resolve_attention(AUTO_ATTENTION, recipe.attention_backends, packed=True)
+    backends = list(dict.fromkeys([PADDED_ATTENTION, SDPA_VARLEN, *packed_backends(args, default_backend)]))
+    harness = build_harness(recipe, specs, processor, cfg_model, backends)
+    samples = encode_samples(specs, recipe, processor)
+    per_length = [measure_length(args, harness, workdir, length, samples, default_backend)
+                  for length in sorted(set(args.lengths))]
+    return per_length, default_backend
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -273,12 +444,8 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.perf_counter()
     try:
         with tempfile.TemporaryDirectory(prefix="bench_train-") as tmp:
-            workdir = Path(tmp)
-            if not args.no_warmup:
-                warm_up(args, workdir)
-            results = run_rounds(args, workdir)
-        check_same_samples(results)
-        return report(args, results, time.perf_counter() - started)
+            per_length, default_backend = run(args, Path(tmp))
+        return report(args, per_length, default_backend, time.perf_counter() - started)
     finally:
         torch.set_num_threads(threads)  # main() is also called in-process by the tests
 

@@ -1,15 +1,18 @@
 """Packing planners: group sample indices into packs from lengths and media counts alone.
 
 One planner serves the dataset, the step estimate and the reports, so the packs a run trains on are exactly
-the packs those tools counted. The inner loops are plain Python over ints on purpose: per-sample numpy calls
-cost more than the work here (measured in ``tools/bench_packing.py``).
+the packs those tools counted. Admission (which samples may be planned at all, and at what length) is one
+vectorised pass over numpy columns; grouping is a generator of packs, so a streaming strategy's memory stays
+flat in the data set size (the dataset replays it instead of storing it) and a whole-set plan can be stored
+compactly as numpy offsets. The inner grouping loops are plain Python over ints on purpose: per-sample numpy
+calls cost more than the work here (measured in ``tools/bench_packing.py``).
 """
 
 from __future__ import annotations
 
 import importlib
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,6 +23,10 @@ DROP_OVERLONG = "overlong"
 DROP_OVERLONG_MEDIA = "overlong_media_not_truncatable"
 DROP_TOO_MANY_MEDIA = "too_many_media"
 DROP_EMPTY = "empty"
+DROP_NO_SUPERVISED = "no_supervised_tokens"
+# Admission codes (0 = admitted), in the order the checks apply: a sample is dropped for the first that fails.
+DROP_REASONS = ("", DROP_EMPTY, DROP_TOO_MANY_MEDIA, DROP_OVERLONG, DROP_OVERLONG_MEDIA, DROP_NO_SUPERVISED)
+SHUFFLE_CHUNK = 1 << 16  # random slots drawn per batch by the streaming shuffle: bounded memory, few rng calls
 
 
 class OverlongSampleError(ValueError):
@@ -30,6 +37,34 @@ class OverlongSampleError(ValueError):
                          "(packing.overlong=error)")
         self.index = index
         self.length = length
+
+
+@dataclass
+class Admission:
+    """Which samples may be planned and at what length: the same every epoch (lengths and caps only).
+
+    ``lengths`` is each sample's packed length (``max_seq_len`` for a truncated one); ``codes`` its drop reason
+    as an index into ``DROP_REASONS`` (0: admitted; also 0 for samples not considered, see ``considered``).
+    Columns, not dicts: at ten million samples a dict entry per sample would cost gigabytes.
+    """
+
+    lengths: np.ndarray
+    codes: np.ndarray
+    truncated_mask: np.ndarray
+    admitted_mask: np.ndarray
+
+    @property
+    def dropped(self) -> dict[int, str]:
+        return {int(i): DROP_REASONS[self.codes[i]] for i in np.flatnonzero(self.codes)}
+
+    @property
+    def drop_counts(self) -> Counter:
+        counts = np.bincount(self.codes, minlength=len(DROP_REASONS))
+        return Counter({DROP_REASONS[code]: int(n) for code, n in enumerate(counts) if code and n})
+
+    @property
+    def truncated(self) -> frozenset[int]:
+        return frozenset(np.flatnonzero(self.truncated_mask).tolist())
 
 
 @dataclass
@@ -64,7 +99,9 @@ class MLLMPackingAssembler:
 
     Subclasses implement ``group(order, lengths, media_counts, rng)`` returning packs of indices taken from
     ``order``; every index must land in exactly one pack and every pack must respect the spec's caps.
-    ``MLLMPackingSpec(assembler_cls=...)`` plugs a subclass in.
+    ``MLLMPackingSpec(assembler_cls=...)`` plugs a subclass in. The built-in strategies also implement
+    ``iter_groups``, the same packs as a generator over numpy columns, which is what lets the dataset replay a
+    streaming plan instead of storing it.
     """
 
     def __init__(self, spec: MLLMPackingSpec):
@@ -88,143 +125,195 @@ class MLLMPackingAssembler:
 
     def plan_with_report(self, lengths: Sequence[int], media_counts: Sequence[int] | None = None,
                          media_ends: Sequence[int] | None = None, epoch: int = 0) -> PackPlan:
-        lengths = [int(x) for x in lengths]
-        media = [0] * len(lengths) if media_counts is None else [int(x) for x in media_counts]
-        if len(media) != len(lengths):
-            raise ValueError(f"media_counts has {len(media)} entries for {len(lengths)} lengths")
-        plan = PackPlan(packs=[], lengths=lengths, media_counts=media)
-        order = self._admit(plan, media_ends)
-        rng = np.random.default_rng([self.spec.seed, epoch])
-        plan.packs = self.group(order, plan.lengths, media, rng)
-        return plan
+        """The whole epoch as lists, samples streamed in index order: the small-data API of tests and tools."""
+        admission = self.admit(lengths, media_counts, media_ends)
+        media = _column(media_counts, len(admission.lengths))
+        packs = list(self.iter_groups(np.flatnonzero(admission.admitted_mask), admission.lengths, media,
+                                      self.rng(epoch)))
+        return PackPlan(packs=packs, lengths=admission.lengths.tolist(), media_counts=media.tolist(),
+                        dropped=admission.dropped, truncated=sorted(admission.truncated))
 
-    def _admit(self, plan: PackPlan, media_ends: Sequence[int] | None) -> list[int]:
+    def rng(self, epoch: int) -> np.random.Generator:
+        return np.random.default_rng([self.spec.seed, epoch])
+
+    def admit(self, lengths: Sequence[int], media_counts: Sequence[int] | None = None,
+              media_ends: Sequence[int] | None = None, first_supervised: Sequence[int] | None = None,
+              considered: np.ndarray | None = None) -> Admission:
+        """Drop reasons and packed lengths of every sample, vectorised; ``considered`` (a bool mask) leaves samples
+        out without a reason (records already reported as bad). A sample a truncation would leave with no
+        supervised token (``first_supervised``, see :class:`SampleMeta`) is dropped here, so the packs and the
+        step count never include a sample that trains nothing."""
         spec = self.spec
         cap = spec.max_seq_len
-        media_cap = spec.max_media_per_pack
-        order = []
-        lengths = plan.lengths
-        for i, length in enumerate(lengths):
-            if length <= 0:
-                plan.dropped[i] = DROP_EMPTY
-                continue
-            if media_cap is not None and plan.media_counts[i] > media_cap:
-                plan.dropped[i] = DROP_TOO_MANY_MEDIA
-                continue
-            if length > cap:
-                if spec.overlong == "error":
-                    raise OverlongSampleError(i, length, cap)
-                if spec.overlong == "truncate" and (media_ends is None or int(media_ends[i]) <= cap):
-                    lengths[i] = cap
-                    plan.truncated.append(i)
-                else:
-                    plan.dropped[i] = DROP_OVERLONG_MEDIA if spec.overlong == "truncate" else DROP_OVERLONG
-                    continue
-            order.append(i)
-        return order
+        lengths = np.asarray(lengths, dtype=np.int64)
+        n = len(lengths)
+        media = _column(media_counts, n)
+        if len(media) != n:
+            raise ValueError(f"media_counts has {len(media)} entries for {n} lengths")
+        considered = np.ones(n, dtype=bool) if considered is None else np.asarray(considered, dtype=bool)
+        codes = np.zeros(n, dtype=np.int8)
+        open_ = considered.copy()
+
+        def drop(mask: np.ndarray, reason: str) -> None:
+            mask = mask & open_
+            codes[mask] = DROP_REASONS.index(reason)
+            open_[mask] = False
+
+        drop(lengths <= 0, DROP_EMPTY)
+        if spec.max_media_per_pack is not None:
+            drop(media > spec.max_media_per_pack, DROP_TOO_MANY_MEDIA)
+        overlong = open_ & (lengths > cap)
+        truncated = np.zeros(n, dtype=bool)
+        if spec.overlong == "error" and overlong.any():
+            first = int(np.flatnonzero(overlong)[0])
+            raise OverlongSampleError(first, int(lengths[first]), cap)
+        if spec.overlong == "truncate":
+            fits = np.ones(n, dtype=bool) if media_ends is None else _column(media_ends, n) <= cap
+            truncated = overlong & fits
+            drop(overlong & ~fits, DROP_OVERLONG_MEDIA)
+        else:
+            drop(overlong, DROP_OVERLONG)
+        packed = np.where(truncated, cap, lengths)
+        if first_supervised is not None:
+            drop(packed <= _column(first_supervised, n), DROP_NO_SUPERVISED)
+        truncated &= open_
+        return Admission(lengths=packed, codes=codes, truncated_mask=truncated, admitted_mask=open_)
+
+    def iter_groups(self, order: np.ndarray, lengths: np.ndarray, media_counts: np.ndarray,
+                    rng: np.random.Generator) -> Iterator[list[int]]:
+        """Packs of the indices in ``order`` (the stream), as ``group`` makes them; built-ins yield lazily."""
+        yield from self.group(np.asarray(order).tolist(), np.asarray(lengths).tolist(),
+                              np.asarray(media_counts).tolist(), rng)
 
     def group(self, order: list[int], lengths: list[int], media_counts: list[int],
               rng: np.random.Generator) -> list[list[int]]:
         raise NotImplementedError
 
 
-class SingleSampleAssembler(MLLMPackingAssembler):
+def _column(values: Sequence[int] | None, n: int) -> np.ndarray:
+    return np.zeros(n, dtype=np.int64) if values is None else np.asarray(values, dtype=np.int64)
+
+
+class _LazyGroups:
+    """``group`` of a built-in strategy: its ``iter_groups`` collected into a list."""
+
+    def group(self, order, lengths, media_counts, rng):
+        return list(self.iter_groups(np.asarray(order, dtype=np.int64), np.asarray(lengths, dtype=np.int64),
+                                     np.asarray(media_counts, dtype=np.int64), rng))
+
+
+class SingleSampleAssembler(_LazyGroups, MLLMPackingAssembler):
     """One sample per pack, in stream order: the unpacked baseline through the same admission rules."""
 
-    def group(self, order, lengths, media_counts, rng):
-        return [[i] for i in order]
+    def iter_groups(self, order, lengths, media_counts, rng):
+        for i in np.asarray(order).tolist():
+            yield [i]
 
 
-def shuffle_buffer(order: list[int], buffer_size: int, rng: np.random.Generator) -> list[int]:
-    """Seeded streaming shuffle: each incoming item swaps out a random slot of a ``buffer_size`` buffer."""
+def shuffled_chunks(order: np.ndarray, buffer_size: int, rng: np.random.Generator,
+                    chunk: int = SHUFFLE_CHUNK) -> Iterator[list[int]]:
+    """Seeded streaming shuffle, chunk by chunk: each incoming item swaps out a random slot of a ``buffer_size``
+    buffer. Only the buffer and one chunk are ever held, whatever the length of ``order``."""
+    order = np.asarray(order)
     if buffer_size <= 1 or len(order) <= 1:
-        return list(order)
-    buffer = list(order[:buffer_size])
-    out = []
-    slots = rng.integers(0, len(buffer), size=max(0, len(order) - len(buffer))).tolist()
-    append = out.append
-    for slot, item in zip(slots, order[len(buffer):]):
-        append(buffer[slot])
-        buffer[slot] = item
-    out.extend(buffer[j] for j in rng.permutation(len(buffer)).tolist())
-    return out
+        for start in range(0, len(order), chunk):
+            yield order[start:start + chunk].tolist()
+        return
+    buffer = order[:buffer_size].tolist()
+    for start in range(len(buffer), len(order), chunk):
+        incoming = order[start:start + chunk].tolist()
+        slots = rng.integers(0, len(buffer), size=len(incoming)).tolist()
+        out = []
+        append = out.append
+        for slot, item in zip(slots, incoming):
+            append(buffer[slot])
+            buffer[slot] = item
+        yield out
+    yield [buffer[j] for j in rng.permutation(len(buffer)).tolist()]
 
 
-class GreedyAssembler(MLLMPackingAssembler):
-    """Streaming first-fit over at most ``max_open_packs`` open packs; emits the fullest pack when stuck."""
+def shuffle_buffer(order: Sequence[int], buffer_size: int, rng: np.random.Generator) -> list[int]:
+    """The whole stream of :func:`shuffled_chunks` as one list."""
+    return [i for chunk in shuffled_chunks(np.asarray(order, dtype=np.int64), buffer_size, rng) for i in chunk]
 
-    def group(self, order, lengths, media_counts, rng):
+
+class GreedyAssembler(_LazyGroups, MLLMPackingAssembler):
+    """Streaming first-fit over at most ``max_open_packs`` open packs; emits the fullest pack when stuck.
+
+    A generator end to end (shuffle buffer, open packs): its memory is the buffer plus the open packs, flat in the
+    data set size."""
+
+    def iter_groups(self, order, lengths, media_counts, rng):
         spec = self.spec
         cap = spec.max_seq_len
         max_open = spec.max_open_packs
         media_cap = spec.max_media_per_pack
         count_cap = spec.max_samples_per_pack
-        stream = shuffle_buffer(order, spec.buffer_size, rng)
-        packs: list[list[int]] = []
         open_rem: list[int] = []  # remaining tokens per open pack, in opening order (first-fit order)
         open_items: list[list[int]] = []
         open_media: list[int] = []  # remaining media slots, only tracked under a media cap
-        for i in stream:
-            length = lengths[i]
-            media = media_counts[i] if media_cap is not None else 0
-            k = 0
-            n_open = len(open_rem)
-            while k < n_open:
-                if open_rem[k] >= length and (media_cap is None or open_media[k] >= media):
-                    break
-                k += 1
-            if k == n_open:
-                if n_open >= max_open:
-                    fullest = open_rem.index(min(open_rem))
-                    packs.append(open_items.pop(fullest))
-                    open_rem.pop(fullest)
+        for chunk in shuffled_chunks(order, spec.buffer_size, rng):
+            chunk_lengths = lengths[chunk].tolist()
+            chunk_media = media_counts[chunk].tolist() if media_cap is not None else [0] * len(chunk)
+            for i, length, media in zip(chunk, chunk_lengths, chunk_media):
+                k = 0
+                n_open = len(open_rem)
+                while k < n_open:
+                    if open_rem[k] >= length and (media_cap is None or open_media[k] >= media):
+                        break
+                    k += 1
+                if k == n_open:
+                    if n_open >= max_open:
+                        fullest = open_rem.index(min(open_rem))
+                        yield open_items.pop(fullest)
+                        open_rem.pop(fullest)
+                        if media_cap is not None:
+                            open_media.pop(fullest)
+                    open_rem.append(cap - length)
+                    open_items.append([i])
                     if media_cap is not None:
-                        open_media.pop(fullest)
-                open_rem.append(cap - length)
-                open_items.append([i])
-                if media_cap is not None:
-                    open_media.append(media_cap - media)
-                k = len(open_rem) - 1
-            else:
-                open_rem[k] -= length
-                open_items[k].append(i)
-                if media_cap is not None:
-                    open_media[k] -= media
-            if open_rem[k] == 0 or (count_cap is not None and len(open_items[k]) >= count_cap):
-                packs.append(open_items.pop(k))
-                open_rem.pop(k)
-                if media_cap is not None:
-                    open_media.pop(k)
-        packs.extend(open_items)
-        return packs
+                        open_media.append(media_cap - media)
+                    k = len(open_rem) - 1
+                else:
+                    open_rem[k] -= length
+                    open_items[k].append(i)
+                    if media_cap is not None:
+                        open_media[k] -= media
+                if open_rem[k] == 0 or (count_cap is not None and len(open_items[k]) >= count_cap):
+                    yield open_items.pop(k)
+                    open_rem.pop(k)
+                    if media_cap is not None:
+                        open_media.pop(k)
+        yield from open_items
 
 
-class BestFitDecreasingAssembler(MLLMPackingAssembler):
+class BestFitDecreasingAssembler(_LazyGroups, MLLMPackingAssembler):
     """Best-fit-decreasing over each ``buffer_size`` window; pack order shuffled so long packs do not cluster.
 
     Open packs sit in buckets keyed by remaining capacity; a Python int used as a bitset over those keys finds
-    the tightest fitting bucket in a few big-int operations instead of a scan.
+    the tightest fitting bucket in a few big-int operations instead of a scan. Windows are planned one at a time,
+    so a windowed plan streams like greedy's.
     """
 
-    def group(self, order, lengths, media_counts, rng):
-        spec = self.spec
-        packs: list[list[int]] = []
-        for start in range(0, len(order), spec.buffer_size):
-            window = order[start:start + spec.buffer_size]
+    def iter_groups(self, order, lengths, media_counts, rng):
+        order = np.asarray(order, dtype=np.int64)
+        for start in range(0, len(order), self.spec.buffer_size):
+            window = order[start:start + self.spec.buffer_size]
             window_packs = self._best_fit_decreasing(window, lengths, media_counts)
-            packs.extend(window_packs[j] for j in rng.permutation(len(window_packs)).tolist())
-        return packs
+            for j in rng.permutation(len(window_packs)).tolist():
+                yield window_packs[j]
 
     def _best_fit_decreasing(self, window, lengths, media_counts):
-        window_lengths = np.asarray([lengths[i] for i in window], dtype=np.int64)
+        window_lengths = lengths[window]
         by_length = np.argsort(-window_lengths, kind="stable")
-        ordered = np.asarray(window, dtype=np.int64)[by_length].tolist()
+        ordered = window[by_length].tolist()
+        sorted_lengths = window_lengths[by_length]
         if self.spec.max_media_per_pack is None and self.spec.max_samples_per_pack is None:
-            run_starts = (np.flatnonzero(np.diff(window_lengths[by_length])) + 1).tolist()
-            return self._bfd_by_runs(ordered, run_starts, lengths)
-        return self._bfd_with_caps(ordered, lengths, media_counts)
+            run_starts = (np.flatnonzero(np.diff(sorted_lengths)) + 1).tolist()
+            return self._bfd_by_runs(ordered, run_starts, sorted_lengths.tolist())
+        return self._bfd_with_caps(ordered, sorted_lengths.tolist(), media_counts[window[by_length]].tolist())
 
-    def _bfd_by_runs(self, ordered, run_starts, lengths):
+    def _bfd_by_runs(self, ordered, run_starts, sorted_lengths):
         """BFD without count caps, placing each run of equal lengths in bulk.
 
         Open packs with equal remaining capacity are interchangeable, so a run of k items of length L goes
@@ -237,7 +326,7 @@ class BestFitDecreasingAssembler(MLLMPackingAssembler):
         items: list[list[int]] = []
         bounds = [0, *run_starts, len(ordered)]
         for start, end in zip(bounds[:-1], bounds[1:]):
-            length = lengths[ordered[start]]
+            length = sorted_lengths[start]
             pos = start
             while pos < end:
                 left = end - pos
@@ -278,7 +367,7 @@ class BestFitDecreasingAssembler(MLLMPackingAssembler):
                     buckets[rem].extend(moved)
         return items
 
-    def _bfd_with_caps(self, ordered, lengths, media_counts):
+    def _bfd_with_caps(self, ordered, sorted_lengths, sorted_media):
         """Item-by-item BFD honouring media and sample-count caps."""
         spec = self.spec
         cap = spec.max_seq_len
@@ -288,9 +377,7 @@ class BestFitDecreasingAssembler(MLLMPackingAssembler):
         occupied = 0
         items: list[list[int]] = []
         rem_media: list[int] = []
-        for i in ordered:
-            length = lengths[i]
-            media = media_counts[i]
+        for i, length, media in zip(ordered, sorted_lengths, sorted_media):
             chosen = -1
             candidates = occupied >> length
             while candidates:

@@ -26,6 +26,7 @@ from PIL import Image
 from .images import load_image, read_image_size
 from .sample import IGNORE_INDEX, MLLMRecord, MLLMSample, SampleMeta, first_supervised_index
 from .sources import MLLMRecordError
+from .store import digest
 
 ROLES = ("system", "user", "assistant")
 
@@ -34,6 +35,7 @@ class ChatTemplateEncoder:
     """Implements ``MLLMSampleEncoder`` over a chat template; subclasses supply the model-specific hooks."""
 
     image_token: str = "<image>"
+    measure_version: int = 1  # bump when ``measure`` counts differently: it invalidates every measure cache
     assistant_header: str = ""
     turn_end: str = ""
     unsupervised_tokens: tuple[str, ...] = ()
@@ -60,6 +62,27 @@ class ChatTemplateEncoder:
         raise NotImplementedError
 
     # -------------------------------------------------------------------------------------------------- public
+
+    def fingerprint(self) -> str:
+        """What ``measure`` depends on, hashed (the measure cache's key): the encoder class and its counting
+        version, its layout tokens and simple settings, the tokenizer (vocabulary, merges, special tokens, chat
+        template) and the image processor's settings (min/max pixels, patch size, ...)."""
+        tokenizer = self.tokenizer
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        settings = {key: value for key, value in vars(self).items()
+                    if isinstance(value, (bool, int, float, str, tuple)) and not key.startswith("_")}
+        processor = self.processor.image_processor
+        return digest({
+            "encoder": f"{type(self).__module__}.{type(self).__qualname__}",
+            "measure_version": self.measure_version,
+            "layout": [self.image_token, self.assistant_header, self.turn_end, list(self.unsupervised_tokens)],
+            "settings": settings,
+            "tokenizer": [type(tokenizer).__name__, backend.to_str() if backend is not None else
+                          sorted(tokenizer.get_vocab().items()), tokenizer.chat_template,
+                          sorted(tokenizer.all_special_tokens)],
+            "image_processor": [type(processor).__name__,
+                                processor.to_dict() if hasattr(processor, "to_dict") else repr(processor)],
+        })
 
     def encode(self, record: MLLMRecord) -> MLLMSample:
         self._validate(record)

@@ -3,49 +3,135 @@
 Both dataset kinds plan with the same ``MLLMPackingAssembler`` as the step estimate and the reports, so the
 packs served are exactly the packs counted. Packs are split across ranks round-robin (pack k goes to rank
 k mod world_size) and, inside a rank, across DataLoader workers the same way.
+
+Memory does not grow with Python objects per record: records stay in a memory-mapped :class:`RecordStore` (or a
+small in-memory list), their measured metadata in numpy columns (:class:`SampleMetas`, cached on disk), and a plan
+is either compact numpy offsets (map-style: any pack by index in O(1)) or, for a streaming strategy, not stored
+at all: its pack count is counted once and the packs are replayed from the seeded planner when iterated.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import islice
 
 import numpy as np
 from torch.utils.data import Dataset, IterableDataset, Subset, get_worker_info
 
 from .accounting import RecordLedger
-from .assembler import MLLMPackingAssembler, OverlongSampleError
+from .assembler import Admission, MLLMPackingAssembler, OverlongSampleError
 from .bad_records import BadRecord, BadRecordReport
+from .measure import SampleMetas, default_cache_dir, measure_list, measure_store
 from .media import MLLMMediaHandler
 from .pack import MLLMPack
-from .sample import MLLMRecord, MLLMSampleEncoder, SampleMeta
+from .sample import MLLMRecord, MLLMSampleEncoder
 from .sources import MLLMRecordError, read_records
 from .spec import MLLMDataSpec
 from .steps import estimate_total_steps, micro_batches_per_rank, packs_per_rank
+from .store import RecordStore
+
+
+class PackArrays:
+    """A stored plan: pack ``k`` is ``members[offsets[k]:offsets[k + 1]]`` (12 bytes a sample, not a list each)."""
+
+    def __init__(self, groups: Iterator[list[int]]):
+        offsets, members = array("q", [0]), array("q")
+        for pack in groups:
+            members.extend(pack)
+            offsets.append(len(members))
+        self.offsets = np.frombuffer(offsets, dtype=np.int64)
+        self.members = np.frombuffer(members, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, k: int) -> list[int]:
+        if not 0 <= k < len(self):
+            raise IndexError(f"pack {k} out of range for {len(self)} packs")
+        return self.members[self.offsets[k]:self.offsets[k + 1]].tolist()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return (self[k] for k in range(len(self)))
+
+
+class ReplayedPacks:
+    """A streaming plan that is not stored: ``len`` was counted once, iterating replays the seeded planner."""
+
+    def __init__(self, replay: Callable[[], Iterator[list[int]]]):
+        self.replay = replay
+        self.count = sum(1 for _ in replay())
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return self.replay()
+
+
+class RankPacks:
+    """One rank's packs of an epoch (pack ``rank + j * world_size`` is its j-th), padded with empty packs (all-padding
+    rows that keep ranks in step) to ``count``. Indexing is O(1) over a stored plan."""
+
+    def __init__(self, packs: PackArrays | ReplayedPacks, rank: int, world_size: int, count: int):
+        self.packs, self.rank, self.world_size, self.count = packs, rank, world_size, count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, j: int) -> list[int]:
+        if not 0 <= j < self.count:
+            raise IndexError(f"rank pack {j} out of range for {self.count}")
+        k = self.rank + j * self.world_size
+        return self.packs[k] if k < len(self.packs) else []
+
+    def __iter__(self) -> Iterator[list[int]]:
+        mine = islice(self.packs, self.rank, None, self.world_size)
+        served = 0
+        for pack in islice(mine, self.count):
+            served += 1
+            yield pack
+        for _ in range(self.count - served):
+            yield []
 
 
 @dataclass
 class EpochPlan:
-    """One epoch's packs as record indices, the packed length of each record, the drops by record, and the records
-    planned shorter than they are (``overlong=truncate``)."""
+    """One epoch's packs as record indices, with the admission they were planned under: the packed length of
+    each record (``lengths``), the drops by record and the records planned shorter than they are
+    (``overlong=truncate``)."""
 
     epoch: int
-    packs: list[list[int]]
-    lengths: dict[int, int]
-    dropped: dict[int, str]
-    truncated: frozenset[int] = frozenset()
+    packs: PackArrays | ReplayedPacks
+    admission: Admission
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self.admission.lengths
+
+    @property
+    def dropped(self) -> dict[int, str]:
+        return self.admission.dropped
 
     @property
     def drop_counts(self) -> Counter:
-        return Counter(self.dropped.values())
+        return self.admission.drop_counts
+
+    @property
+    def truncated(self) -> frozenset[int]:
+        return self.admission.truncated
 
 
 class _PackedDatasetBase:
     """What both dataset kinds share: records, cached metadata, planning, rank split, pack encoding."""
 
-    def __init__(self, records: list[MLLMRecord], encoder: MLLMSampleEncoder, data_spec: MLLMDataSpec,
-                 rank: int = 0, world_size: int = 1, drop_last: bool = False,
+    stores_plan = True  # map-style datasets index packs; streaming ones replay them
+
+    def __init__(self, records: list[MLLMRecord] | RecordStore, encoder: MLLMSampleEncoder,
+                 data_spec: MLLMDataSpec, rank: int = 0, world_size: int = 1, drop_last: bool = False,
                  media_handler: MLLMMediaHandler | None = None, bad_records: BadRecordReport | None = None):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} is invalid for world_size={world_size}")
@@ -63,86 +149,68 @@ class _PackedDatasetBase:
             self.bad_records.records_read = len(records)
         self.epoch = 0
         self._plans: dict[int, EpochPlan] = {}
-        self._rank_packs: dict[int, tuple[EpochPlan, list[list[int]]]] = {}
         self._left_out: dict[int, tuple[EpochPlan, frozenset[int]]] = {}
 
     @cached_property
-    def metas(self) -> list[SampleMeta | None]:
-        """Lengths and media counts of every record, read from text and image headers only; None for a record
-        that cannot be measured, which goes to the bad-record report (or stops the run under ``error``)."""
-        return [self._measure(record) for record in self.records]
+    def metas(self) -> SampleMetas:
+        """Lengths and media counts of every record, read from text and image headers only (and from the measure
+        cache for a store); unusable for a record that cannot be measured, which goes to the bad-record report (or
+        stops the run under ``error``)."""
+        if isinstance(self.records, RecordStore):
+            spec = self.data_spec
+            return measure_store(self.records, self.encoder, self.bad_records, spec.cache_dir, spec.measure_workers,
+                                 spec.measure_cache)
+        return measure_list(self.records, self.encoder, self.bad_records)
 
-    def _measure(self, record: MLLMRecord) -> SampleMeta | None:
+    @cached_property
+    def admission(self) -> Admission:
+        """Which records every epoch may plan, and at what length (the same each epoch)."""
+        metas = self.metas
         try:
-            return self.encoder.measure(record)
-        except MLLMRecordError as err:
-            self.bad_records.add_error(err, "measure")
-            return None
+            return self.assembler.admit(metas.length, metas.num_media, metas.media_end, metas.first_supervised,
+                                        considered=metas.usable)
+        except OverlongSampleError as err:
+            record = self.records[err.index]
+            raise MLLMRecordError(f"{record.origin}: record {record.record_id!r} has {err.length} tokens > "
+                                  f"max_seq_len={self.packing_spec.max_seq_len} (overlong=error)", "overlong",
+                                  record_id=record.record_id) from None
 
-    def record_order(self, epoch: int) -> list[int]:
+    def record_order(self, epoch: int) -> np.ndarray:
         if not self.data_spec.shuffle:
-            return list(range(len(self.records)))
-        return np.random.default_rng([self.data_spec.seed, epoch]).permutation(len(self.records)).tolist()
+            return np.arange(len(self.records), dtype=np.int64)
+        return np.random.default_rng([self.data_spec.seed, epoch]).permutation(len(self.records))
+
+    def _groups(self, epoch: int) -> Iterator[list[int]]:
+        """The epoch's packs, planned afresh: records in the epoch's order, admitted ones only."""
+        admission = self.admission
+        order = self.record_order(epoch)
+        order = order[admission.admitted_mask[order]]
+        return self.assembler.iter_groups(order, admission.lengths, self.metas.num_media.astype(np.int64),
+                                          self.assembler.rng(epoch))
 
     def plan(self, epoch: int | None = None) -> EpochPlan:
         epoch = self.epoch if epoch is None else epoch
         if epoch not in self._plans:
-            order = [i for i in self.record_order(epoch) if self.metas[i] is not None]
-            metas = [self.metas[i] for i in order]
-            try:
-                plan = self.assembler.plan_with_report([m.length for m in metas], [m.num_media for m in metas],
-                                                       [m.media_end for m in metas], epoch=epoch)
-            except OverlongSampleError as err:
-                record = self.records[order[err.index]]
-                raise MLLMRecordError(f"{record.origin}: record {record.record_id!r} has {err.length} tokens > "
-                                      f"max_seq_len={self.packing_spec.max_seq_len} (overlong=error)", "overlong",
-                                      record_id=record.record_id) from None
-            self._plans = {epoch: self._without_untrainable(epoch, order, metas, plan)}
+            admission = self.admission
+            packs = PackArrays(self._groups(epoch)) if self.stores_plan else ReplayedPacks(
+                lambda: self._groups(epoch))
+            self._plans = {epoch: EpochPlan(epoch=epoch, packs=packs, admission=admission)}
         return self._plans[epoch]
-
-    @staticmethod
-    def _without_untrainable(epoch: int, order: list[int], metas: list[SampleMeta], plan) -> EpochPlan:
-        """The plan in record indices, minus samples a truncation left with no supervised token: they would train
-        nothing yet count as samples, so they are dropped here, at plan time, where step counts are still exact."""
-        dropped = {order[j]: reason for j, reason in plan.dropped.items()}
-        packs = []
-        for pack in plan.packs:
-            kept = []
-            for j in pack:
-                if plan.lengths[j] <= metas[j].first_supervised:
-                    dropped[order[j]] = "no_supervised_tokens"
-                else:
-                    kept.append(j)
-            if kept:
-                packs.append(kept)
-        return EpochPlan(
-            epoch=epoch,
-            packs=[[order[j] for j in pack] for pack in packs],
-            lengths={order[j]: plan.lengths[j] for pack in packs for j in pack},
-            dropped=dropped,
-            truncated=frozenset(order[j] for pack in packs for j in pack if plan.lengths[j] < metas[j].length),
-        )
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def rank_packs(self, epoch: int | None = None) -> list[list[int]]:
-        """This rank's packs; an empty list stands for an all-padding row that keeps ranks in step. Cached with
-        the epoch's plan: ``__getitem__`` asks for it on every item, and recomputing it there made an epoch
-        quadratic in the data set size."""
-        plan = self.plan(epoch)
-        cached = self._rank_packs.get(plan.epoch)
-        if cached is None or cached[0] is not plan:
-            packs = plan.packs
-            count = packs_per_rank(len(packs), self.world_size, self.drop_last)
-            mine = packs[self.rank::self.world_size][:count]
-            cached = (plan, mine + [[] for _ in range(count - len(mine))])
-            self._rank_packs = {plan.epoch: cached}
-        return cached[1]
+    def rank_packs(self, epoch: int | None = None) -> RankPacks:
+        """This rank's packs; an empty list stands for an all-padding row that keeps ranks in step. A view over
+        the epoch's plan: ``__getitem__`` asks for it on every item, so it must cost O(1), not a copy."""
+        packs = self.plan(epoch).packs
+        return RankPacks(packs, self.rank, self.world_size,
+                         packs_per_rank(len(packs), self.world_size, self.drop_last))
 
     def left_out_by_drop_last(self, micro_batch_size: int, epoch: int | None = None) -> frozenset[int]:
         """Records of the epoch's packs that no rank trains on: with ``drop_last`` the packs past an even split
-        across ranks and those of a rank's last partial micro-batch (none without ``drop_last``). Cached with the
+        across ranks and those of a rank's last partial micro-batch (none without ``drop_last``). Every rank serves
+        its first ``served`` packs, so these are the plan's packs from ``served * world_size`` on. Cached with the
         epoch's plan: the drop counts, the ledger and the dropped-records file all ask for it."""
         plan = self.plan(epoch)
         cached = self._left_out.get(micro_batch_size)
@@ -150,15 +218,14 @@ class _PackedDatasetBase:
             packs = plan.packs
             served = micro_batches_per_rank(len(packs), micro_batch_size, self.world_size, self.drop_last) \
                 * micro_batch_size
-            served_packs = {k for rank in range(self.world_size)
-                            for k in range(rank, len(packs), self.world_size)[:served]}
-            cached = (plan, frozenset(i for k, pack in enumerate(packs) if k not in served_packs for i in pack))
+            left = islice(packs, served * self.world_size, None) if served * self.world_size < len(packs) else ()
+            cached = (plan, frozenset(i for pack in left for i in pack))
             self._left_out = {micro_batch_size: cached}
         return cached[1]
 
     def dropped_records(self, micro_batch_size: int, epoch: int | None = None) -> dict[int, str]:
         """Record index -> reason of every record the epoch plans not to train (bad records aside)."""
-        dropped = dict(self.plan(epoch).dropped)
+        dropped = self.plan(epoch).dropped
         dropped.update((i, "drop_last") for i in self.left_out_by_drop_last(micro_batch_size, epoch))
         return dropped
 
@@ -167,12 +234,17 @@ class _PackedDatasetBase:
         found before training. The trainer adds what it trains and the faults found while decoding."""
         plan = self.plan(epoch)
         report = self.bad_records
+        left_out = self.left_out_by_drop_last(micro_batch_size, epoch)
+        truncated = plan.admission.truncated_mask
+        dropped = plan.drop_counts
+        if left_out:
+            dropped["drop_last"] = len(left_out)
         return RecordLedger(
             epoch=plan.epoch,
             records_read=report.records_read,
-            dropped=Counter(self.dropped_records(micro_batch_size, epoch).values()),
+            dropped=dropped,
             bad=report.counts("read") + report.counts("measure"),
-            truncated=len(plan.truncated - self.left_out_by_drop_last(micro_batch_size, epoch)),
+            truncated=int(truncated.sum()) - sum(1 for i in left_out if truncated[i]),
         )
 
     def encode_pack(self, record_indices: list[int], epoch: int | None = None) -> dict:
@@ -180,6 +252,7 @@ class _PackedDatasetBase:
         decompression bomb) leave the pack, which is still served so every rank keeps in step; the trainer
         counts and reports them (this may run in a DataLoader worker, whose own report nobody would read)."""
         lengths = self.plan(epoch).lengths
+        measured = self.metas.length
         samples, bad = [], []
         for i in record_indices:
             record = self.records[i]
@@ -188,8 +261,8 @@ class _PackedDatasetBase:
             except MLLMRecordError as err:
                 bad.append(BadRecord.from_error(err, "decode").to_dict())
                 continue
-            if sample.length != self.metas[i].length:
-                raise ValueError(f"{record.origin}: encoder.measure gave {self.metas[i].length} tokens but encode "
+            if sample.length != measured[i]:
+                raise ValueError(f"{record.origin}: encoder.measure gave {measured[i]} tokens but encode "
                                  f"produced {sample.length}; the encoder breaks the measure/encode contract")
             samples.append(sample.truncated(lengths[i]) if lengths[i] < sample.length else sample)
         inputs = MLLMPack(samples, self.media_handler).to_model_inputs()
@@ -220,6 +293,8 @@ class MLLMPackedDataset(_PackedDatasetBase, Dataset):
 class MLLMStreamingPackedDataset(_PackedDatasetBase, IterableDataset):
     """Iterable: used by streaming strategies; resumable through ``state_dict`` / ``load_state_dict``."""
 
+    stores_plan = False
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.packs_consumed = 0
@@ -229,16 +304,15 @@ class MLLMStreamingPackedDataset(_PackedDatasetBase, IterableDataset):
         return len(self.rank_packs())
 
     def __iter__(self):
-        packs = self.rank_packs()
         worker = get_worker_info()
         workers, worker_id = (worker.num_workers, worker.id) if worker else (1, 0)
         start = self.packs_consumed
-        for k in range(start, len(packs)):
+        for k, pack in enumerate(self.rank_packs()):
             # whole micro-batches per worker: the DataLoader batches inside each worker and interleaves them in
             # worker order, which then reproduces the single-process batches exactly
-            if ((k - start) // self.worker_batch_size) % workers == worker_id:
+            if k >= start and ((k - start) // self.worker_batch_size) % workers == worker_id:
                 self.packs_consumed = k + 1
-                yield self.encode_pack(packs[k])
+                yield self.encode_pack(pack)
         self.packs_consumed = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -265,7 +339,8 @@ class MLLMDataKit:
 
     @staticmethod
     def read_records(data_spec: MLLMDataSpec, bad_records: BadRecordReport | None = None) -> list[MLLMRecord]:
-        """Every usable record of the sources; with a report under ``on_bad_record=skip`` a bad record is recorded
+        """Every usable record of the sources as Python objects (tools over a few records; training reads a
+        :class:`RecordStore`); with a report under ``on_bad_record=skip`` a bad record is recorded
         there and reading goes on, otherwise the first one raises (its message names ``file:line``)."""
         if not data_spec.sources:
             raise ValueError("data.sources is empty: give at least one JSON/JSONL file")
@@ -281,14 +356,23 @@ class MLLMDataKit:
         return records
 
     @staticmethod
+    def open_store(data_spec: MLLMDataSpec) -> RecordStore:
+        """The sources as one memory-mapped :class:`RecordStore` (JSON/JSONL converted once into the cache)."""
+        if not data_spec.sources:
+            raise ValueError("data.sources is empty: give at least one JSON/JSONL/parquet file or saved data set")
+        return RecordStore.open(data_spec.sources, data_spec.cache_dir or default_cache_dir(), data_spec.image_root,
+                                data_spec.allow_leading_assistant)
+
+    @staticmethod
     def build_dataset(data_spec: MLLMDataSpec, encoder: MLLMSampleEncoder, rank: int = 0, world_size: int = 1,
-                      drop_last: bool = False, records: list[MLLMRecord] | None = None,
+                      drop_last: bool = False, records: list[MLLMRecord] | RecordStore | None = None,
                       media_handler: MLLMMediaHandler | None = None,
                       bad_records: BadRecordReport | None = None) -> MLLMPackedDataset | MLLMStreamingPackedDataset:
-        """The dataset of packs; ``bad_records`` collects the records left out (made from the spec's policy when
-        not given, and reachable as ``dataset.bad_records``)."""
+        """The dataset of packs over the spec's sources (a :class:`RecordStore`), or over ``records`` when given;
+        ``bad_records`` collects the records left out (made from the spec's policy when not given, and reachable
+        as ``dataset.bad_records``)."""
         bad_records = bad_records or BadRecordReport(data_spec.on_bad_record, data_spec.max_bad_fraction)
-        records = MLLMDataKit.read_records(data_spec, bad_records) if records is None else records
+        records = MLLMDataKit.open_store(data_spec) if records is None else records
         packing = data_spec.packing
         streaming = packing is not None and packing.assembler_cls is None and (
             packing.strategy == "greedy" or packing.buffer_size < len(records))

@@ -74,10 +74,12 @@ class MLLMRecordError(ValueError):
     a usable one (None otherwise), so the report can name the record as its owner knows it.
     """
 
-    def __init__(self, message: str, reason: str = "invalid_record", *, record_id: str | None = None):
+    def __init__(self, message: str, reason: str = "invalid_record", *, record_id: str | None = None,
+                 media_path: str | None = None):
         super().__init__(message)
         self.reason = reason
         self.record_id = record_id
+        self.media_path = media_path  # the media file a ``missing_image`` names: its appearing changes the verdict
 
 
 def read_records(
@@ -104,7 +106,7 @@ def read_records(
         )
     if not path.is_file():
         raise MLLMRecordError(f"{name}: data file not found", "invalid_source")
-    raw_records = _iter_jsonl(path, name, on_bad) if suffix == ".jsonl" else _iter_json(path, name)
+    raw_records = _iter_jsonl(path, name, on_bad) if suffix == ".jsonl" else iter_json_values(path, name)
     for origin, raw in raw_records:
         try:
             record = parse_record(raw, origin, root, allow_leading_assistant)
@@ -182,7 +184,7 @@ def _iter_jsonl(path: Path, name: str, on_bad) -> Iterator[tuple[str, Any]]:
             yield origin, value
 
 
-def _iter_json(path: Path, name: str) -> Iterator[tuple[str, Any]]:
+def iter_json_values(path: Path, name: str) -> Iterator[tuple[str, Any]]:
     """Decode a JSON list element by element so each record knows the line it starts on."""
     try:
         text = path.read_text(encoding="utf-8")
@@ -440,7 +442,7 @@ def _resolve_image(value: str, where: str, image_root) -> str:
         raise MLLMRecordError(f"{where}: empty image path")
     path = os.path.abspath(os.path.join(image_root, value))
     if not os.path.isfile(path):
-        raise MLLMRecordError(f"{where}: image file not found: {path}", "missing_image")
+        raise MLLMRecordError(f"{where}: image file not found: {path}", "missing_image", media_path=path)
     return path
 
 

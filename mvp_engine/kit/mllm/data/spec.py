@@ -77,6 +77,9 @@ class MLLMDataSpec:
     on_bad_record: str = "skip"  # skip: leave it out, counted and reported; error: the first one stops the run
     max_bad_fraction: float = 0.01  # under skip, more bad records than this fraction of those read stops the run
     allow_leading_assistant: bool = False  # a conversation opening with an assistant turn is a bad record unless set
+    cache_dir: str | None = None  # converted sources and measured metadata; None: $VLM_PACKING_CACHE or ~/.cache/...
+    measure_cache: bool = True  # reuse measured lengths while sources, media files and encoder are unchanged
+    measure_workers: int = 0  # processes measuring records on a cold start; 0: one per CPU core
 
     def __post_init__(self) -> None:
         if isinstance(self.sources, str):
@@ -92,6 +95,9 @@ class MLLMDataSpec:
             raise ValueError(f"data.max_seq_len={self.max_seq_len!r} is invalid: allowed an int >= 1")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"data.seed={self.seed!r} is invalid: allowed an int >= 0")
+        if not isinstance(self.measure_workers, int) or self.measure_workers < 0:
+            raise ValueError(f"data.measure_workers={self.measure_workers!r} is invalid: allowed an int >= 0 "
+                             "(0: one per CPU core)")
 
     def effective_packing(self) -> MLLMPackingSpec:
         """The packing spec to plan with; unpacked data plans one sample per pack under the data limits."""

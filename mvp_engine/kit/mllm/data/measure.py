@@ -1,0 +1,240 @@
+"""Measuring every record once: lengths, media counts and bad-record verdicts as numpy columns, cached on disk.
+
+Planning needs each record's token length and media count (read from text and image headers). Measuring costs
+about a millisecond per record (chat template rendering, tokenizing), hours at ten million records, so it runs in
+parallel processes (``datasets.Dataset.map(num_proc=...)``) and its result is cached per source under
+``<cache>/measure/<key>``, keyed by:
+
+* the source's identity (path, size, modification time; a saved data set's own fingerprint),
+* the encoder's fingerprint (:meth:`fingerprint` of the encoder: tokenizer, chat template, image-processor
+  settings, and a ``measure_version`` the encoder bumps when its counting changes),
+* the read settings (``image_root``, ``allow_leading_assistant``) and this module's ``MEASURE_FORMAT``;
+
+and checked against the media files' identity (size and modification time of every image a record names, missing
+ones included): a second start reads the cache, any change measures the source again. An encoder without a
+``fingerprint`` method is measured every time (nothing safe to key a cache on).
+
+Under data parallelism every rank opens the same cache entry under a file lock: the first measures, the others wait
+on the lock (not in a collective, whose timeout is shorter than a cold measure of millions of records) and then read
+what it wrote. Several nodes share the work when the cache folder is on a shared file system.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.feather as feather
+from filelock import FileLock, Timeout
+
+from .bad_records import BadRecordReport
+from .sample import MLLMRecord, MLLMSampleEncoder, SampleMeta
+from .sources import MLLMRecordError, parse_record
+from .store import RecordStore, SourceRows, digest
+
+MEASURE_FORMAT = 1  # bump when the cached columns change meaning
+ROWS_PER_WORKER = 2_000  # fewer rows than this per process: starting the process costs more than it saves
+META_COLUMNS = ("length", "num_media", "media_end", "first_supervised")
+BAD_COLUMNS = ("bad_stage", "bad_reason", "bad_message", "bad_id")
+DONE = "done.json"
+MEDIA = "media.arrow"
+
+
+@dataclass
+class SampleMetas:
+    """:class:`SampleMeta` of every record as int32 columns (16 bytes a record, not a Python object each);
+    ``usable`` is False for a record that could not be measured (it is in the bad-record report)."""
+
+    length: np.ndarray
+    num_media: np.ndarray
+    media_end: np.ndarray
+    first_supervised: np.ndarray
+    usable: np.ndarray
+
+    @classmethod
+    def from_list(cls, metas: list[SampleMeta | None]) -> SampleMetas:
+        rows = [(m.length, m.num_media, m.media_end, m.first_supervised) if m else (0, 0, 0, 0) for m in metas]
+        columns = np.asarray(rows, dtype=np.int32).reshape(len(metas), 4).T
+        return cls(*columns, usable=np.asarray([m is not None for m in metas], dtype=bool))
+
+    def __len__(self) -> int:
+        return len(self.length)
+
+    def __getitem__(self, index: int) -> SampleMeta | None:
+        if not self.usable[index]:
+            return None
+        return SampleMeta(int(self.length[index]), int(self.num_media[index]), int(self.media_end[index]),
+                          int(self.first_supervised[index]))
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+
+def default_cache_dir() -> Path:
+    """``$VLM_PACKING_CACHE``, else ``~/.cache/vlm_packing``."""
+    return Path(os.environ.get("VLM_PACKING_CACHE") or Path.home() / ".cache" / "vlm_packing")
+
+
+def encoder_fingerprint(encoder: MLLMSampleEncoder) -> str | None:
+    fingerprint = getattr(encoder, "fingerprint", None)
+    return None if fingerprint is None else str(fingerprint())
+
+
+def measure_list(records: list[MLLMRecord], encoder: MLLMSampleEncoder, report: BadRecordReport) -> SampleMetas:
+    """Records already in memory (tests, tools over a few records), measured here, uncached."""
+    metas = []
+    for record in records:
+        try:
+            metas.append(encoder.measure(record))
+        except MLLMRecordError as err:
+            report.add_error(err, "measure")
+            metas.append(None)
+    return SampleMetas.from_list(metas)
+
+
+def measure_store(store: RecordStore, encoder: MLLMSampleEncoder, report: BadRecordReport,
+                  cache_dir: str | os.PathLike | None = None, workers: int = 0, use_cache: bool = True) -> SampleMetas:
+    """Every record of ``store`` measured (or read from the cache); bad ones go to ``report`` in record order
+    (under ``on_bad_record=error`` the first one is raised)."""
+    fingerprint = encoder_fingerprint(encoder) if use_cache else None
+    workers = workers or os.cpu_count() or 1
+    parts = []
+    for (table, rows), source_fingerprint in zip(store.sources, store.fingerprints):
+        measure = _Measure(rows, encoder, store.allow_leading_assistant)
+        if fingerprint is None:
+            with tempfile.TemporaryDirectory() as scratch:
+                columns = _columns(_run_map(table, measure, Path(scratch), workers))
+        else:
+            key = digest([MEASURE_FORMAT, source_fingerprint, fingerprint, rows.image_root,
+                          store.allow_leading_assistant])
+            columns = _columns(_cached_map(table, measure, Path(cache_dir or default_cache_dir()) / "measure" / key,
+                                           workers))
+        parts.append(columns)
+    metas = SampleMetas(*(np.concatenate([p[name] for p in parts]) for name in META_COLUMNS),
+                        usable=np.concatenate([p["usable"] for p in parts]))
+    for part in parts:
+        for _, bad in part["bad"]:
+            err = MLLMRecordError(bad["bad_message"], bad["bad_reason"], record_id=bad["bad_id"])
+            report.add_error(err, bad["bad_stage"])
+    return metas
+
+
+class _Measure:
+    """The ``datasets.map`` function: one batch of rows -> meta columns, verdict columns, media paths."""
+
+    def __init__(self, rows: SourceRows, encoder: MLLMSampleEncoder, allow_leading_assistant: bool):
+        self.rows = rows
+        self.encoder = encoder
+        self.allow_leading_assistant = allow_leading_assistant
+
+    def __call__(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+        out: dict[str, list] = {name: [] for name in (*META_COLUMNS, *BAD_COLUMNS, "media")}
+        for origin, raw in self.rows.raw_records(batch, indices):
+            stage, media = "read", []
+            try:
+                if isinstance(raw, MLLMRecordError):
+                    raise raw
+                record = parse_record(raw, origin, self.rows.image_root, self.allow_leading_assistant)
+                media, stage = record.image_paths, "measure"
+                meta = self.encoder.measure(record)
+                values, verdict = (meta.length, meta.num_media, meta.media_end, meta.first_supervised), (None,) * 4
+            except MLLMRecordError as err:
+                media = [err.media_path] if err.media_path else media
+                values, verdict = (0, 0, 0, 0), (stage, err.reason, str(err), err.record_id)
+            for name, value in zip((*META_COLUMNS, *BAD_COLUMNS), (*values, *verdict)):
+                out[name].append(value)
+            out["media"].append(media)
+        return out
+
+
+def _run_map(table, measure: _Measure, folder: Path, workers: int):
+    """``measure`` over ``table`` into Arrow files in ``folder``, on up to ``workers`` processes."""
+    num_proc = max(1, min(workers, len(table) // ROWS_PER_WORKER))
+    return table.map(measure, batched=True, batch_size=256, with_indices=True, remove_columns=table.column_names,
+                     num_proc=num_proc if num_proc > 1 else None, cache_file_name=str(folder / "metas.arrow"),
+                     load_from_cache_file=False, new_fingerprint=folder.name, desc=f"measuring {measure.rows.name}")
+
+
+def _cached_map(table, measure: _Measure, folder: Path, workers: int):
+    """The measured table of one source from ``folder`` when it is complete and its media are unchanged, else
+    measured into it; one process at a time (the others wait, then read)."""
+    import datasets
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(folder) + ".lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        print(f"waiting for another process to finish measuring {measure.rows.name} (cache {folder})", flush=True)
+        lock.acquire()
+    try:
+        done = folder / DONE
+        if done.is_file():
+            changed = _changed_media(folder / MEDIA)
+            if not changed:
+                files = json.loads(done.read_text())["files"]
+                return datasets.concatenate_datasets([datasets.Dataset.from_file(str(folder / f)) for f in files])
+            print(f"{measure.rows.name}: {changed} media file(s) changed since they were measured; measuring again",
+                  flush=True)
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir()
+        measured = _run_map(table, measure, folder, workers)
+        _write_media(measured, folder / MEDIA)
+        files = [os.path.relpath(f["filename"], folder) for f in measured.cache_files]
+        done.write_text(json.dumps({"files": files, "rows": len(measured)}))
+        return measured
+    finally:
+        lock.release()
+
+
+def _columns(measured) -> dict:
+    """Numpy meta columns, the usable mask and ``(row, verdict)`` of each bad row, from a measured table."""
+    table = measured.data.table
+    columns = {name: table.column(name).to_numpy().astype(np.int32) for name in META_COLUMNS}
+    bad_mask = pc.is_valid(table.column("bad_reason")).to_numpy(zero_copy_only=False)
+    bad_rows = np.flatnonzero(bad_mask)
+    verdicts = table.select(list(BAD_COLUMNS)).take(pa.array(bad_rows)).to_pylist() if len(bad_rows) else []
+    columns["usable"] = ~bad_mask
+    columns["bad"] = list(zip(bad_rows.tolist(), verdicts))
+    return columns
+
+
+def _media_identity(paths: list[str]) -> np.ndarray:
+    """(size, mtime_ns) of each path, (-1, -1) for a missing one; stat calls in threads (network file systems)."""
+    def identity(path: str) -> tuple[int, int]:
+        try:
+            stat = os.stat(path)
+        except OSError:
+            return -1, -1
+        return stat.st_size, stat.st_mtime_ns
+
+    if len(paths) > 1000:
+        with ThreadPoolExecutor(16) as pool:
+            found = list(pool.map(identity, paths, chunksize=256))
+    else:
+        found = [identity(path) for path in paths]
+    return np.asarray(found, dtype=np.int64).reshape(len(paths), 2)
+
+
+def _write_media(measured, path: Path) -> None:
+    paths = pc.unique(pc.list_flatten(measured.data.table.column("media"))).to_pylist()
+    identity = _media_identity(paths)
+    feather.write_feather(pa.table({"path": paths, "size": identity[:, 0], "mtime_ns": identity[:, 1]}), str(path))
+
+
+def _changed_media(path: Path) -> int:
+    """How many media files differ from what the cache saw (all of them when the table is missing)."""
+    if not path.is_file():
+        return 1
+    table = feather.read_table(str(path))
+    seen = np.stack([table.column("size").to_numpy(), table.column("mtime_ns").to_numpy()], axis=1)
+    now = _media_identity(table.column("path").to_pylist())
+    return int(np.any(seen != now, axis=1).sum())

@@ -1,0 +1,221 @@
+"""Records in memory-mapped Arrow tables instead of Python objects: ten million records cost disk, not RAM.
+
+Sources (``data.sources``, one file or folder each):
+
+* ``.jsonl`` / ``.json``: converted once into an Arrow file in the cache (``<cache>/records``), one row per record
+  holding its origin (``file:line``, as :func:`read_records` names it) and its raw JSON text. ``datasets``' own
+  JSON loader is not used for this: it keeps no line numbers and fails a whole file on one malformed line, while
+  a bad line here is one bad record, found when the record is measured. The Arrow file is keyed by the file's path,
+  size and modification time, so an edited file is converted again.
+* ``.parquet``: loaded with ``datasets.Dataset.from_parquet`` (its own fingerprinted Arrow cache); origin
+  ``file#row`` (1-based).
+* a folder written by ``datasets``' ``save_to_disk``: loaded with ``load_from_disk`` (memory-mapped as it is);
+  origin ``folder#row``. A ``DatasetDict`` folder gives its ``train`` split, or its only split.
+
+Rows of parquet and saved data sets are records in either accepted format (LLaVA ``conversations`` or OpenAI
+``messages``), with image paths as strings. Relative image paths resolve against ``data.image_root`` or, without
+it, the folder holding the source. Parsing and validation are the kit's :func:`parse_record`, run when a record
+is measured and again when it is encoded, so a store holds bytes, not Python objects.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+from filelock import FileLock
+
+from .sample import MLLMRecord
+from .sources import MLLMRecordError, iter_json_values, parse_record
+
+STORE_FORMAT = 1  # bump when the Arrow layout of converted JSON sources changes
+_ROWS_PER_BATCH = 50_000
+_SCHEMA = pa.schema([("origin", pa.string()), ("raw", pa.binary())])
+
+
+def file_identity(path: str | os.PathLike) -> list:
+    """What says a file is unchanged: its absolute path, size and modification time (ns)."""
+    stat = os.stat(path)
+    return [os.path.abspath(path), stat.st_size, stat.st_mtime_ns]
+
+
+def digest(value: Any) -> str:
+    """A stable short hash of a JSON-able value (cache keys)."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+@dataclass
+class SourceRows:
+    """One source as a ``datasets.Dataset`` plus how its rows become raw records; picklable without the table, so
+    ``datasets.map`` workers can take it. ``json_rows``: rows are ``(origin, raw JSON bytes)``."""
+
+    name: str
+    image_root: str
+    json_rows: bool
+
+    def raw_records(self, batch: dict[str, list], indices: list[int]) -> Iterator[tuple[str, Any]]:
+        """``(origin, decoded record or MLLMRecordError)`` per row of a ``datasets`` batch."""
+        if self.json_rows:
+            for origin, raw in zip(batch["origin"], batch["raw"]):
+                yield origin, decode_json_row(raw, origin)
+            return
+        keys = list(batch)
+        for j, index in enumerate(indices):
+            yield f"{self.name}#{index + 1}", {key: batch[key][j] for key in keys}
+
+    def origin(self, table: Any, index: int) -> str:
+        return table[index]["origin"] if self.json_rows else f"{self.name}#{index + 1}"
+
+    def record(self, table: Any, index: int, allow_leading_assistant: bool) -> MLLMRecord:
+        """Row ``index`` parsed and validated (raises :class:`MLLMRecordError` for a bad one)."""
+        row = table[index]
+        if self.json_rows:
+            origin, raw = row["origin"], decode_json_row(row["raw"], row["origin"])
+            if isinstance(raw, MLLMRecordError):
+                raise raw
+        else:
+            origin, raw = f"{self.name}#{index + 1}", row
+        return parse_record(raw, origin, self.image_root, allow_leading_assistant)
+
+
+def decode_json_row(raw: bytes, origin: str) -> Any:
+    """The JSON value of a stored line, or the :class:`MLLMRecordError` it is (returned, not raised: the caller
+    decides whether a bad record stops anything)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return MLLMRecordError(f"{origin}: line is not valid UTF-8 ({exc})", "invalid_utf8")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        return MLLMRecordError(f"{origin}: invalid JSON: {exc.msg} (column {exc.colno})", "invalid_json")
+
+
+class RecordStore:
+    """Every record of the sources, by index, read from memory-mapped Arrow tables.
+
+    ``store[i]`` parses record ``i`` on demand; ``len(store)`` counts every record row (bad ones included, as the
+    bad-record fraction counts them). ``sources`` pairs each table with its :class:`SourceRows`; ``fingerprints``
+    says what each source's content is, for the measure cache.
+    """
+
+    def __init__(self, sources: list[tuple[Any, SourceRows, str]], allow_leading_assistant: bool = False):
+        self.sources = [(table, rows) for table, rows, _ in sources]
+        self.fingerprints = [fingerprint for _, _, fingerprint in sources]
+        self.allow_leading_assistant = allow_leading_assistant
+        self.offsets = np.cumsum([0] + [len(table) for table, _ in self.sources])
+
+    @classmethod
+    def open(cls, paths: list[str], cache_dir: str | os.PathLike, image_root: str | None = None,
+             allow_leading_assistant: bool = False) -> RecordStore:
+        cache = Path(cache_dir)
+        return cls([_open_source(Path(path), cache, image_root) for path in paths], allow_leading_assistant)
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """(source number, row in that source) of record ``index``."""
+        if not 0 <= index < len(self):
+            raise IndexError(f"record index {index} out of range for {len(self)} records")
+        source = int(np.searchsorted(self.offsets, index, side="right")) - 1
+        return source, index - int(self.offsets[source])
+
+    def __getitem__(self, index: int) -> MLLMRecord:
+        source, row = self.locate(index)
+        table, rows = self.sources[source]
+        return rows.record(table, row, self.allow_leading_assistant)
+
+    def origin(self, index: int) -> str:
+        source, row = self.locate(index)
+        table, rows = self.sources[source]
+        return rows.origin(table, row)
+
+
+def _open_source(path: Path, cache: Path, image_root: str | None) -> tuple[Any, SourceRows, str]:
+    import datasets
+
+    suffix = path.suffix.lower()
+    root = os.path.abspath(image_root if image_root is not None else path.parent)
+    if path.is_dir():
+        table = _saved_dataset(path)
+        fingerprint = digest([str(path.resolve()), table._fingerprint,
+                              [file_identity(f["filename"]) for f in table.cache_files]])
+        return table, SourceRows(str(path), root, json_rows=False), fingerprint
+    if not path.is_file():
+        raise MLLMRecordError(f"{path}: data source not found", "invalid_source")
+    if suffix == ".parquet":
+        table = datasets.Dataset.from_parquet(str(path), cache_dir=str(cache / "parquet"))
+        return table, SourceRows(str(path), root, json_rows=False), digest(file_identity(path))
+    if suffix in (".json", ".jsonl"):
+        arrow = _converted_json(path, cache / "records")
+        return datasets.Dataset.from_file(str(arrow)), SourceRows(str(path), root, json_rows=True), \
+            digest(file_identity(path))
+    raise MLLMRecordError(f"{path}: unsupported source {path.suffix!r} (expected .json, .jsonl, .parquet or a "
+                          "folder written by datasets' save_to_disk)", "invalid_source")
+
+
+def _saved_dataset(path: Path) -> Any:
+    import datasets
+
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except FileNotFoundError as err:
+        raise MLLMRecordError(f"{path}: a folder source must be written by datasets' save_to_disk ({err})",
+                              "invalid_source") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        splits = list(loaded)
+        if "train" not in loaded and len(splits) != 1:
+            raise MLLMRecordError(f"{path}: a DatasetDict with splits {splits} and no 'train': save one split",
+                                  "invalid_source")
+        loaded = loaded["train" if "train" in loaded else splits[0]]
+    return loaded
+
+
+def _converted_json(path: Path, cache: Path) -> Path:
+    """The Arrow file of a JSON/JSONL source, converted under a file lock (several ranks may ask at once) and
+    published by rename, so a reader never sees half a file."""
+    cache.mkdir(parents=True, exist_ok=True)
+    target = cache / f"{path.stem[:40]}-{digest([STORE_FORMAT, *file_identity(path)])}.arrow"
+    with FileLock(str(target) + ".lock"):
+        if not target.exists():
+            partial = target.with_suffix(".partial")
+            with pa.OSFile(str(partial), "wb") as sink, pa.ipc.new_stream(sink, _SCHEMA) as writer:
+                for origins, raws in _json_batches(path):
+                    writer.write_batch(pa.record_batch([pa.array(origins, pa.string()),
+                                                        pa.array(raws, pa.binary())], schema=_SCHEMA))
+            os.replace(partial, target)
+    return target
+
+
+def _json_batches(path: Path) -> Iterator[tuple[list[str], list[bytes]]]:
+    """Rows of a JSON/JSONL file in batches: JSONL lines as they are (blank ones skipped), a JSON list's records
+    serialised back one by one (the list must parse whole; see :func:`iter_json_values`)."""
+    name = str(path)
+    origins: list[str] = []
+    raws: list[bytes] = []
+    if path.suffix.lower() == ".jsonl":
+        with path.open("rb") as handle:
+            for line_no, line in enumerate(handle, start=1):
+                if line.strip():
+                    origins.append(f"{name}:{line_no}")
+                    raws.append(line)
+                    if len(raws) == _ROWS_PER_BATCH:
+                        yield origins, raws
+                        origins, raws = [], []
+    else:
+        for origin, value in iter_json_values(path, name):
+            origins.append(origin)
+            raws.append(json.dumps(value, ensure_ascii=False).encode())
+            if len(raws) == _ROWS_PER_BATCH:
+                yield origins, raws
+                origins, raws = [], []
+    if raws:
+        yield origins, raws
