@@ -1,9 +1,8 @@
-"""tools/bench_train.py on a tiny setting: the table is complete and its numbers agree with each other.
+"""tools/bench_train.py on a tiny setting: every mode trains the same samples, batches follow their rules, and the
+printed ratios and verdicts follow from the printed numbers.
 
-Wall-clock values are never asserted (they depend on the machine and its load); only relations that hold
-whatever the timings are: the same data trained in every mode, rates consistent with the printed counts and
-seconds, ratios computed from the printed rates, verdicts consistent with the ratios, step counts that follow
-from packs and micro-batch sizes.
+Wall-clock values are never asserted (they depend on the machine and its load); only relations that hold whatever
+the timings are. One L below 2048 and one at 2048, so both sets of targets are printed.
 """
 
 from __future__ import annotations
@@ -11,121 +10,200 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
-import math
 import re
+import sys
 from pathlib import Path
 
 import pytest
+import torch
+from transformers.trainer_pt_utils import get_length_grouped_indices
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "bench_train.py"
 SAMPLES = 40
 MICRO_BATCH = 4
-MAX_SEQ_LEN = 1024
+LENGTHS = (512, 2048)
+SEED = 0
+BASELINES = ["random", "group_by_length", "token_budget", "token_budget_varlen"]
 
-ROW = re.compile(
-    r"^(?P<mode>\w+)\s+micro-batch (?P<micro_batch>\d+) (?:samples|x (?P<width>\d+))\s+steps\s+(?P<steps>\d+)\s+"
-    r"samples\s+(?P<samples>\d+)\s+effective tokens\s+(?P<effective>\d+)\s+padding\s+(?P<padding>[\d.]+)%\s+"
-    r"seconds\s+(?P<seconds>[\d.]+)\s+tokens/s\s+(?P<tps>[\d.]+)\s+samples/s\s+(?P<sps>[\d.]+)\s+"
-    r"step tokens/s\s+(?P<step_tps>[\d.]+)$"
-)
-RATIO = re.compile(
-    r"^(?P<mode>\w+)/padded effective tokens/s: (?P<ratio>[\d.]+)x \(target >= (?P<target>[\d.]+)x\) -> "
-    r"(?P<verdict>OK|MISS); step tokens/s (?P<step_ratio>[\d.]+)x$"
-)
+HEADER = re.compile(r"^L=(?P<length>\d+): (?P<admitted>\d+) samples .*token budget (?P<rows>\d+) x \d+ = "
+                    r"(?P<budget>\d+) per micro-batch$")
+ROW = re.compile(r"^  (?P<label>\([abc]'?\)|packed) (?P<mode>\S+)\s+(?P<attention>\S+)\s+(?P<call>prepare_\w+)\s+"
+                 r"(?P<steps>\d+)\s+(?P<rows>[\d.]+)\s+(?P<padding>[\d.]+)%\s+(?P<seconds>[\d.]+)\s+(?P<tps>[\d.]+)$")
+RATIO = re.compile(r"^  (?P<mode>\w+/\w+)\s+(?P<values>[\d.]+x(?:\s+[\d.]+x)*)$")
+TARGET = re.compile(r"^target L=(?P<length>\d+): (?P<mode>\S+) >= (?P<limit>[\d.]+)x \((?P<label>[abc]'?)\) "
+                    r"(?P<base>\w+): (?P<value>[\d.]+)x -> (?P<verdict>OK|MISS)$")
 
 
 def load_tool():
     spec = importlib.util.spec_from_file_location("bench_train", TOOL)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is created
     spec.loader.exec_module(module)
     return module
 
 
 @pytest.fixture(scope="module")
 def bench():
-    """One tiny run of the tool: its returned dict and its printed lines."""
+    """One tiny run of the tool: the module, its returned dict and its printed lines."""
     tool = load_tool()
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        result = tool.main(["--samples", str(SAMPLES), "--micro-batch", str(MICRO_BATCH), "--max-seq-len",
-                            str(MAX_SEQ_LEN), "--repeats", "1"])
+        result = tool.main(["--samples", str(SAMPLES), "--micro-batch", str(MICRO_BATCH), "--repeats", "1",
+                            "--seed", str(SEED), "--lengths", *map(str, LENGTHS)])
     return tool, result, out.getvalue().splitlines()
 
 
-def parsed_rows(lines: list[str]) -> dict[str, dict]:
-    rows = {}
+def printed_tables(lines: list[str]) -> dict[int, dict]:
+    """Per L: its header, its mode rows and its ratio rows, as printed."""
+    tables: dict[int, dict] = {}
+    current = None
     for line in lines:
-        match = ROW.match(line)
-        if match:
-            rows[match["mode"]] = match.groupdict()
-    return rows
+        if match := HEADER.match(line):
+            current = tables[int(match["length"])] = {"header": match.groupdict(), "rows": {}, "ratios": {}}
+        elif current is not None and (match := ROW.match(line)):
+            current["rows"][match["mode"]] = match.groupdict()
+        elif current is not None and (match := RATIO.match(line)):
+            current["ratios"][match["mode"]] = [float(v) for v in match["values"].replace("x", " ").split()]
+    return tables
 
 
-def parsed_ratios(lines: list[str]) -> dict[str, dict]:
-    return {m["mode"]: m.groupdict() for m in map(RATIO.match, lines) if m}
+def trained(mode: dict) -> list[int]:
+    return sorted(i for batch in mode["batches"] for row in batch for i in row)
 
 
-def test_prints_one_row_per_mode_and_one_ratio_line_per_strategy(bench):
+def by_mode(measured: dict) -> dict[str, dict]:
+    return {r["mode"]: r for r in measured["results"]}
+
+
+def test_prints_every_mode_at_every_length(bench):
     _, result, lines = bench
-    assert list(parsed_rows(lines)) == ["padded", "greedy", "bfd"]
-    assert list(parsed_ratios(lines)) == ["greedy", "bfd"]
-    assert [r["mode"] for r in result["results"]] == ["padded", "greedy", "bfd"]
-    assert set(result) >= {"results", "ratios", "step_ratios", "target", "ok", "seconds"}
+    tables = printed_tables(lines)
+    assert sorted(tables) == list(LENGTHS) == [m["length"] for m in result["lengths"]]
+    backend = result["default_backend"]
+    packed = [f"{strategy}/{b}" for strategy in ("greedy", "bfd") for b in dict.fromkeys([backend, "sdpa_varlen",
+                                                                                          "sdpa"])]
+    for measured in result["lengths"]:
+        table = tables[measured["length"]]
+        assert list(table["rows"]) == BASELINES + packed == [r["mode"] for r in measured["results"]]
+        assert list(table["ratios"]) == packed
+        assert [r["label"] for r in table["rows"].values()] == ["(a)", "(b)", "(c)", "(c')"] + ["packed"] * 4
 
 
-def test_every_mode_trains_the_same_data(bench):
-    _, result, lines = bench
-    rows = parsed_rows(lines)
-    assert len({(r["samples"], r["effective"]) for r in rows.values()}) == 1
-    assert len({(r["samples"], r["effective_tokens"], r["dropped"]) for r in result["results"]}) == 1
-    padded = result["results"][0]
-    assert 0 < padded["samples"] <= SAMPLES
-    assert padded["samples"] + padded["dropped"] == SAMPLES
-
-
-def test_rates_follow_from_counts_and_seconds(bench):
+def test_every_mode_trains_the_same_samples_once(bench):
     _, result, _ = bench
-    for r in result["results"]:
-        assert r["tokens_per_s"] == pytest.approx(r["effective_tokens"] / r["seconds"], rel=1e-9)
-        assert r["samples_per_s"] == pytest.approx(r["samples"] / r["seconds"], rel=1e-9)
-        assert r["step_tokens_per_s"] == pytest.approx(r["effective_tokens"] / r["step_seconds"], rel=1e-9)
-        assert 0 < r["step_seconds"] <= r["seconds"]
+    for measured in result["lengths"]:
+        admitted = measured["admitted"]
+        assert admitted + measured["dropped"] == SAMPLES
+        assert all(n <= measured["length"] for n in measured["sample_lengths"])
+        for r in measured["results"]:
+            assert trained(r) == list(range(admitted)), r["mode"]
+            assert r["samples"] == admitted
+        assert len({r["effective_tokens"] for r in measured["results"]}) == 1
+        assert measured["results"][0]["effective_tokens"] == sum(measured["sample_lengths"])
+
+
+def test_padded_baselines_follow_their_batching_rules(bench):
+    _, result, _ = bench
+    for measured in result["lengths"]:
+        modes, lengths = by_mode(measured), measured["sample_lengths"]
+        random = [[row[0] for row in batch] for batch in modes["random"]["batches"]]
+        order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(SEED)).tolist()
+        assert [i for batch in random for i in batch] == order
+        grouped = [[row[0] for row in batch] for batch in modes["group_by_length"]["batches"]]
+        expected = get_length_grouped_indices(lengths, MICRO_BATCH, mega_batch_mult=50,
+                                              generator=torch.Generator().manual_seed(SEED))
+        assert [i for batch in grouped for i in batch] == expected
+        for batches in (random, grouped):
+            assert all(len(batch) == MICRO_BATCH for batch in batches[:-1])
+            assert 0 < len(batches[-1]) <= MICRO_BATCH
+        assert all(len(row) == 1 for r in measured["results"][:4] for batch in r["batches"] for row in batch)
+
+
+def test_token_budget_batches_respect_the_budget_and_are_length_sorted(bench):
+    _, result, lines = bench
+    tables = printed_tables(lines)
+    for measured in result["lengths"]:
+        modes, lengths, budget = by_mode(measured), measured["sample_lengths"], measured["budget"]
+        slots = [len(batch) * max(lengths[row[0]] for row in batch) for batch in modes["random"]["batches"]]
+        assert measured["rows"] == max(1, round(sum(slots) / len(slots) / measured["length"]))
+        assert budget == measured["rows"] * measured["length"]
+        assert int(tables[measured["length"]]["header"]["budget"]) == budget
+        batches = [[row[0] for row in batch] for batch in modes["token_budget"]["batches"]]
+        assert modes["token_budget_varlen"]["batches"] == modes["token_budget"]["batches"]
+        for batch in batches:
+            assert len(batch) * max(lengths[i] for i in batch) <= budget
+        # length-sorted: laid out longest batch first, the lengths never increase; each batch is as full as allowed
+        laid_out = sorted(batches, key=lambda batch: -lengths[batch[0]])
+        flat = [lengths[i] for batch in laid_out for i in batch]
+        assert flat == sorted(flat, reverse=True)
+        for batch, following in zip(laid_out, laid_out[1:]):
+            assert (len(batch) + 1) * lengths[batch[0]] > budget
+            assert lengths[following[0]] <= lengths[batch[-1]]
+
+
+def test_packed_modes_fill_at_most_the_budget(bench):
+    _, result, _ = bench
+    for measured in result["lengths"]:
+        lengths = measured["sample_lengths"]
+        for r in measured["results"][4:]:
+            assert r["call"] == "prepare_packed" and r["attention"] == r["mode"].split("/")[1]
+            assert all(len(batch) <= measured["rows"] for batch in r["batches"])
+            assert all(sum(lengths[i] for i in row) <= measured["length"] for batch in r["batches"] for row in batch)
+            assert r["padding_ratio"] <= by_mode(measured)["random"]["padding_ratio"]
+
+
+def test_rates_and_padding_follow_from_the_counts(bench):
+    _, result, lines = bench
+    tables = printed_tables(lines)
+    for measured in result["lengths"]:
+        rows = tables[measured["length"]]["rows"]
+        for r in measured["results"]:
+            assert r["tokens_per_s"] == pytest.approx(r["effective_tokens"] / r["seconds"], rel=1e-12)
+            assert r["padding_ratio"] == pytest.approx(1 - r["effective_tokens"] / r["slots"], rel=1e-12)
+            assert r["steps"] == len(r["batches"]) == int(rows[r["mode"]]["steps"])
+            assert float(rows[r["mode"]]["tps"]) == pytest.approx(r["tokens_per_s"], abs=0.051)
+            assert float(rows[r["mode"]]["padding"]) == pytest.approx(100 * r["padding_ratio"], abs=0.051)
 
 
 def test_printed_ratios_are_computed_from_printed_rates(bench):
     _, result, lines = bench
-    rows, ratios = parsed_rows(lines), parsed_ratios(lines)
-    padded_tps, padded_step = float(rows["padded"]["tps"]), float(rows["padded"]["step_tps"])
-    by_mode = {r["mode"]: r for r in result["results"]}
-    for mode, line in ratios.items():
-        # rates are printed with 1 decimal, ratios with 3: allow for both roundings
-        assert float(line["ratio"]) == pytest.approx(float(rows[mode]["tps"]) / padded_tps, abs=2e-3)
-        assert float(line["step_ratio"]) == pytest.approx(float(rows[mode]["step_tps"]) / padded_step, abs=2e-3)
-        expected = by_mode[mode]["tokens_per_s"] / by_mode["padded"]["tokens_per_s"]
-        assert result["ratios"][mode] == pytest.approx(expected)
-        assert float(line["target"]) == result["target"]
-        assert line["verdict"] == ("OK" if result["ratios"][mode] >= result["target"] else "MISS")
-    assert result["ok"] == all(line["verdict"] == "OK" for line in ratios.values())
+    tables = printed_tables(lines)
+    for measured in result["lengths"]:
+        table, modes = tables[measured["length"]], by_mode(measured)
+        for mode, printed in table["ratios"].items():
+            tps = float(table["rows"][mode]["tps"])
+            for base, value in zip(BASELINES, printed):
+                # rates are printed with 1 decimal, ratios with 3: allow for both roundings
+                assert value == pytest.approx(tps / float(table["rows"][base]["tps"]), abs=2e-3)
+                exact = modes[mode]["tokens_per_s"] / modes[base]["tokens_per_s"]
+                assert measured["ratios"][mode][base] == pytest.approx(exact, rel=1e-12)
 
 
-def test_micro_batches_match_the_token_budget_rule_and_give_the_step_counts(bench):
-    tool, result, lines = bench
-    padded, *packed = result["results"]
-    assert padded["micro_batch"] == MICRO_BATCH
-    assert padded["packs"] == padded["samples"]  # unpacked: one sample per row
-    assert padded["steps"] == math.ceil(padded["samples"] / MICRO_BATCH)
-    rows = max(1, round(padded["slots"] / padded["batches"] / MAX_SEQ_LEN))
-    for r in packed:
-        assert r["micro_batch"] == rows == tool.packed_micro_batch(padded, MAX_SEQ_LEN)
-        assert r["steps"] == math.ceil(r["packs"] / rows)
-        assert r["packs"] < r["samples"]  # several samples per pack
-        assert r["padding_ratio"] <= padded["padding_ratio"]
-    assert all(row["width"] == str(MAX_SEQ_LEN) for mode, row in parsed_rows(lines).items() if mode != "padded")
-
-
-def test_padding_ratio_is_what_the_slots_say(bench):
+def test_summary_repeats_the_tables(bench):
     _, result, lines = bench
-    rows = parsed_rows(lines)
-    for r in result["results"]:
-        assert r["padding_ratio"] == pytest.approx(1 - r["effective_tokens"] / r["slots"])
-        assert float(rows[r["mode"]]["padding"]) == pytest.approx(100 * r["padding_ratio"], abs=0.051)
+    start = lines.index("summary, effective tokens/s:")
+    names = lines[start + 1].split()[1:]
+    assert names == [r["mode"] for r in result["lengths"][0]["results"]]
+    for offset, measured in enumerate(result["lengths"]):
+        length, *rates = lines[start + 2 + offset].split()
+        assert int(length) == measured["length"]
+        assert [float(v) for v in rates] == pytest.approx([r["tokens_per_s"] for r in measured["results"]], abs=0.051)
+
+
+def test_targets_and_verdicts_agree_with_the_values(bench):
+    _, result, lines = bench
+    printed = [m.groupdict() for m in map(TARGET.match, lines) if m]
+    expected = [(length, base, limit) for length in LENGTHS
+                for base, limit in ((("token_budget", 1.10), ("group_by_length", 1.5), ("token_budget_varlen", 1.0))
+                                    if length >= 2048 else (("token_budget", 1.0), ("token_budget_varlen", 1.0)))]
+    assert [(int(p["length"]), p["base"], float(p["limit"])) for p in printed] == expected
+    assert len(result["targets"]) == len(printed)
+    assert result["target_mode"] == f"bfd/{result['default_backend']}"
+    for line, target in zip(printed, result["targets"]):
+        measured = next(m for m in result["lengths"] if m["length"] == int(line["length"]))
+        assert line["mode"] == target["mode"] == result["target_mode"]
+        assert target["value"] == measured["ratios"][target["mode"]][target["baseline"]]
+        assert float(line["value"]) == pytest.approx(target["value"], abs=5e-4)
+        assert line["verdict"] == ("OK" if target["value"] >= target["limit"] else "MISS")
+        assert target["ok"] == (line["verdict"] == "OK")
+    assert result["ok"] == all(p["verdict"] == "OK" for p in printed)

@@ -189,7 +189,7 @@ def plan(spec, samples: list[MLLMSample]) -> tuple[list[list[int]], dict[int, st
     """The DataKit's plan of ``samples`` under ``spec`` (lengths and media counts only) and its drops."""
     report = MLLMPackingAssembler.from_spec(spec).plan_with_report([s.length for s in samples],
                                                                    [s.num_media for s in samples])
-    return report.packs, report.dropped
+    return [[int(i) for i in pack] for pack in report.packs], report.dropped
 
 
 def build_modes(args, recipe: Recipe, workdir: Path, length: int, samples: list[MLLMSample],
@@ -313,7 +313,8 @@ def measure_length(args, harness: Harness, workdir: Path, length: int, samples: 
         raise SystemExit(f"modes trained different data at L={length}: "
                          f"{[(r['mode'], r['samples'], r['effective_tokens']) for r in results]}")
     return {"length": length, "admitted": len(admitted), "dropped": len(dropped), "rows": rows,
-            "budget": rows * length, "results": results, "ratios": ratios(results)}
+            "budget": rows * length, "sample_lengths": [s.length for s in admitted], "results": results,
+            "ratios": ratios(results)}
 
 
 def mode_result(mode: Mode, run: dict) -> dict:
@@ -392,8 +393,8 @@ def report(args, per_length: list[dict], default_backend: str, seconds: float) -
     lines += [t["line"] for t in found]
     lines.append(f"bench time {seconds:.1f} s")
     print("\n".join(lines))
-    return {"lengths": per_length, "targets": found, "ok": all(t["ok"] for t in found), "target_mode": target_mode,
-            "default_backend": default_backend, "seconds": seconds, "lines": lines}
+    return {"args": vars(args), "lengths": per_length, "targets": found, "ok": all(t["ok"] for t in found),
+            "target_mode": target_mode, "default_backend": default_backend, "seconds": seconds, "lines": lines}
 
 
 # ---------------------------------------------------------------------------------------------------------- main

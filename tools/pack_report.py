@@ -162,7 +162,7 @@ def rank_rows(dataset, rank: int, epoch: int) -> list[list[int]]:
     """``rank``'s packs through the dataset's own ``rank_packs`` (a shallow copy shares the cached metadata)."""
     view = dataset if rank == dataset.rank else copy.copy(dataset)
     view.rank = rank
-    return view.rank_packs(epoch)
+    return list(view.rank_packs(epoch))
 
 
 def micro_batches(rows: list[list[int]], micro_batch_size: int, drop_last: bool) -> list[list[list[int]]]:
@@ -175,7 +175,7 @@ def micro_batches(rows: list[list[int]], micro_batch_size: int, drop_last: bool)
 
 def batch_accounting(dataset, epoch: int, train: TrainSpec) -> dict:
     """Padding and attention work of every micro-batch on every rank, as ``TokenAccounting.from_batch`` counts."""
-    lengths = dataset.plan(epoch).lengths
+    lengths = dataset.plan(epoch).lengths.tolist()
     collator = MLLMCollator(pad_token_id=0, pad_to_multiple_of=train.pad_to_multiple_of)
     totals = dict.fromkeys(("micro_batches", "rows", "all_padding_rows", "slots", "effective_tokens",
                             "attention_work", "dense_attention_work"), 0)
@@ -210,10 +210,10 @@ def describe_plan(planning: Planning, epoch: int = 0, bins: int = 20) -> dict:
     dataset, train = planning.dataset, planning.specs.train
     plan = dataset.plan(epoch)
     cap = dataset.packing_spec.max_seq_len
-    metas = dataset.metas
-    pack_tokens = [sum(plan.lengths[i] for i in pack) for pack in plan.packs]
+    lengths, num_media = plan.lengths.tolist(), dataset.metas.num_media.tolist()
+    pack_tokens = [sum(lengths[i] for i in pack) for pack in plan.packs]
     samples = [len(pack) for pack in plan.packs]
-    media = [sum(metas[i].num_media for i in pack) for pack in plan.packs]
+    media = [sum(num_media[i] for i in pack) for pack in plan.packs]
     fills = [n / cap for n in pack_tokens]
     admitted_tokens = sum(pack_tokens)
     lower_bound = math.ceil(admitted_tokens / cap)
@@ -227,7 +227,7 @@ def describe_plan(planning: Planning, epoch: int = 0, bins: int = 20) -> dict:
         "epoch": epoch,
         "records": len(dataset.records),
         "admitted_samples": sum(samples),
-        "truncated_samples": sum(1 for i, n in plan.lengths.items() if n < metas[i].length),
+        "truncated_samples": len(plan.truncated),
         "dropped": dict(sorted(plan.drop_counts.items())),
         "dropped_total": len(plan.dropped),
         # records left out as bad before planning (read and header faults; bodies are not decoded here)

@@ -234,7 +234,7 @@ def check_packing_knobs(ctx: Context) -> tuple[bool, str]:
     return _verdict(problems, evidence)
 
 
-def next_fit_boundaries(packs: list[list[int]], lengths: dict[int, int], media: list[int],
+def next_fit_boundaries(packs: list[list[int]], lengths, media: list[int],
                         spec: MLLMPackingSpec) -> int:
     """Pack boundaries a next-fit draws: the next pack's first sample did not fit (tokens or media) or the pack was
     at ``max_samples_per_pack``."""
@@ -262,7 +262,7 @@ def check_custom_assembler(ctx: Context) -> tuple[bool, str]:
     admitted = set(range(len(dataset.records))) - set(plan.dropped)
     longest = max(sum(plan.lengths[i] for i in pack) for pack in plan.packs)
     media = [meta.num_media for meta in dataset.metas]
-    boundaries = next_fit_boundaries(plan.packs, plan.lengths, media, data.packing)
+    boundaries = next_fit_boundaries(list(plan.packs), plan.lengths, media, data.packing)
     problems = []
     if cls.__name__ != "NextFitAssembler" or calls < 1:
         problems.append(f"planned by {cls.__name__} ({calls} NextFitAssembler.group calls)")
