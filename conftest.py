@@ -1,7 +1,20 @@
-"""Every test session measures into its own cache folder (and so do the processes tests launch, which inherit the
-environment): a user's ``~/.cache/vlm_packing`` is never read or written by the tests."""
+"""Shared test setup: ``gpu`` tests skip cleanly on machines without CUDA, and every test session measures into its
+own cache folder (so do the processes tests launch, which inherit the environment): a user's
+``~/.cache/vlm_packing`` is never read or written by the tests."""
 
 import os
 import tempfile
 
+import pytest
+import torch
+
 os.environ["VLM_PACKING_CACHE"] = tempfile.mkdtemp(prefix="vlm_packing_cache_")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
