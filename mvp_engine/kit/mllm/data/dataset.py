@@ -61,9 +61,9 @@ class PackArrays:
 class ReplayedPacks:
     """A streaming plan that is not stored: ``len`` was counted once, iterating replays the seeded planner."""
 
-    def __init__(self, replay: Callable[[], Iterator[list[int]]]):
+    def __init__(self, replay: Callable[[], Iterator[list[int]]], count: int | None = None):
         self.replay = replay
-        self.count = sum(1 for _ in replay())
+        self.count = sum(1 for _ in replay()) if count is None else count
 
     def __len__(self) -> int:
         return self.count
@@ -149,6 +149,7 @@ class _PackedDatasetBase:
             self.bad_records.records_read = len(records)
         self.epoch = 0
         self._plans: dict[int, EpochPlan] = {}
+        self._pack_counts: dict[int, int] = {}  # per epoch: a replayed plan is counted once, not at every replan
         self._left_out: dict[int, tuple[EpochPlan, frozenset[int]]] = {}
 
     @cached_property
@@ -192,8 +193,11 @@ class _PackedDatasetBase:
         epoch = self.epoch if epoch is None else epoch
         if epoch not in self._plans:
             admission = self.admission
-            packs = PackArrays(self._groups(epoch)) if self.stores_plan else ReplayedPacks(
-                lambda: self._groups(epoch))
+            if self.stores_plan:
+                packs = PackArrays(self._groups(epoch))
+            else:
+                packs = ReplayedPacks(lambda: self._groups(epoch), self._pack_counts.get(epoch))
+                self._pack_counts[epoch] = len(packs)
             self._plans = {epoch: EpochPlan(epoch=epoch, packs=packs, admission=admission)}
         return self._plans[epoch]
 
