@@ -216,3 +216,21 @@ def test_two_processes_starting_together_measure_once(tmp_path):
     counts = sorted(int((tmp_path / f"count{k}").read_text()) for k in range(2))
     assert counts == [0, 60]
     assert not any(name.endswith(".partial") for name in os.listdir(tmp_path / "cache" / "records"))
+
+
+def test_measuring_in_two_processes_gives_what_one_gives(tmp_path, monkeypatch):
+    monkeypatch.setattr("mvp_engine.kit.mllm.data.measure.ROWS_PER_WORKER", 10)
+    path = write_jsonl(tmp_path / "data.jsonl", records(tmp_path / "img", 60), ("{bad",))
+    results = []
+    for workers in (1, 2):
+        data = spec([path], tmp_path / f"cache{workers}")
+        data.measure_workers = workers
+        dataset, _ = measured(data)
+        files = json.loads(next((tmp_path / f"cache{workers}" / "measure").glob("*/done.json")).read_text())["files"]
+        assert len(files) == workers
+        results.append(dataset)
+    one, two = results
+    for column in ("length", "num_media", "media_end", "first_supervised", "usable"):
+        assert np.array_equal(getattr(one.metas, column), getattr(two.metas, column))
+    assert list(one.bad_records.records.values()) == list(two.bad_records.records.values())
+    assert two.bad_records.count == 1
