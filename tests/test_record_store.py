@@ -234,3 +234,13 @@ def test_measuring_in_two_processes_gives_what_one_gives(tmp_path, monkeypatch):
         assert np.array_equal(getattr(one.metas, column), getattr(two.metas, column))
     assert list(one.bad_records.records.values()) == list(two.bad_records.records.values())
     assert two.bad_records.count == 1
+
+
+def test_bad_records_after_a_first_batch_of_good_ones_and_an_empty_source(tmp_path):
+    rows = records(tmp_path / "img", 300)  # more than one map batch before the bad line
+    path = write_jsonl(tmp_path / "data.jsonl", rows, ("{bad",))
+    empty = write_jsonl(tmp_path / "empty.jsonl", [])
+    dataset, count = measured(spec([path, empty], tmp_path / "cache", strategy="greedy"))
+    assert count == 300 and len(dataset.records) == 301
+    assert [(b.origin, b.reason) for b in dataset.bad_records.records.values()] == [(f"{path}:301", "invalid_json")]
+    assert len(dataset.plan(0).packs) > 0

@@ -109,7 +109,10 @@ def measure_store(store: RecordStore, encoder: MLLMSampleEncoder, report: BadRec
     parts = []
     for (table, rows), source_fingerprint in zip(store.sources, store.fingerprints):
         measure = _Measure(rows, encoder, store.allow_leading_assistant)
-        if fingerprint is None:
+        if not len(table):  # nothing to measure (``map`` over no rows returns no columns at all)
+            columns = {name: np.zeros(0, dtype=np.int32) for name in META_COLUMNS}
+            columns.update(usable=np.zeros(0, dtype=bool), bad=[])
+        elif fingerprint is None:
             with tempfile.TemporaryDirectory() as scratch:
                 columns = _columns(_run_map(table, measure, Path(scratch), workers))
         else:
@@ -121,7 +124,7 @@ def measure_store(store: RecordStore, encoder: MLLMSampleEncoder, report: BadRec
     metas = SampleMetas(*(np.concatenate([p[name] for p in parts]) for name in META_COLUMNS),
                         usable=np.concatenate([p["usable"] for p in parts]))
     for part in parts:
-        for _, bad in part["bad"]:
+        for bad in part["bad"]:
             err = MLLMRecordError(bad["bad_message"], bad["bad_reason"], record_id=bad["bad_id"])
             report.add_error(err, bad["bad_stage"])
     return metas
@@ -155,12 +158,22 @@ class _Measure:
         return out
 
 
+def _features():
+    """The measured columns' types, declared: a batch whose verdicts are all None must not fix them as null."""
+    import datasets
+
+    return datasets.Features({**{name: datasets.Value("int32") for name in META_COLUMNS},
+                              **{name: datasets.Value("string") for name in BAD_COLUMNS},
+                              "media": datasets.List(datasets.Value("string"))})
+
+
 def _run_map(table, measure: _Measure, folder: Path, workers: int):
     """``measure`` over ``table`` into Arrow files in ``folder``, on up to ``workers`` processes."""
     num_proc = max(1, min(workers, len(table) // ROWS_PER_WORKER))
     return table.map(measure, batched=True, batch_size=256, with_indices=True, remove_columns=table.column_names,
-                     num_proc=num_proc if num_proc > 1 else None, cache_file_name=str(folder / "metas.arrow"),
-                     load_from_cache_file=False, new_fingerprint=folder.name, desc=f"measuring {measure.rows.name}")
+                     features=_features(), num_proc=num_proc if num_proc > 1 else None,
+                     cache_file_name=str(folder / "metas.arrow"), load_from_cache_file=False,
+                     new_fingerprint=folder.name, desc=f"measuring {measure.rows.name}")
 
 
 def _cached_map(table, measure: _Measure, folder: Path, workers: int):
@@ -196,14 +209,13 @@ def _cached_map(table, measure: _Measure, folder: Path, workers: int):
 
 
 def _columns(measured) -> dict:
-    """Numpy meta columns, the usable mask and ``(row, verdict)`` of each bad row, from a measured table."""
+    """Numpy meta columns, the usable mask and the verdict of each bad row (in row order), from a measured table."""
     table = measured.data.table
     columns = {name: table.column(name).to_numpy().astype(np.int32) for name in META_COLUMNS}
     bad_mask = pc.is_valid(table.column("bad_reason")).to_numpy(zero_copy_only=False)
     bad_rows = np.flatnonzero(bad_mask)
-    verdicts = table.select(list(BAD_COLUMNS)).take(pa.array(bad_rows)).to_pylist() if len(bad_rows) else []
     columns["usable"] = ~bad_mask
-    columns["bad"] = list(zip(bad_rows.tolist(), verdicts))
+    columns["bad"] = table.select(list(BAD_COLUMNS)).take(pa.array(bad_rows)).to_pylist() if len(bad_rows) else []
     return columns
 
 
