@@ -186,7 +186,7 @@ class _PackedDatasetBase:
         admission = self.admission
         order = self.record_order(epoch)
         order = order[admission.admitted_mask[order]]
-        return self.assembler.iter_groups(order, admission.lengths, self.metas.num_media.astype(np.int64),
+        return self.assembler.iter_groups(order, admission.lengths, self.metas.num_media,
                                           self.assembler.rng(epoch))
 
     def plan(self, epoch: int | None = None) -> EpochPlan:
