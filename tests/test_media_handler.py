@@ -1,4 +1,5 @@
-"""Media merging for both layouts seen in practice, with each item's segment and row kept."""
+"""Media merging for both layouts seen in practice, images and videos side by side, with each item's segment and row
+kept."""
 
 import pytest
 import torch
@@ -38,9 +39,44 @@ def test_inconsistent_media_is_named():
     with pytest.raises(ValueError, match=r"sample 'bad': media field 'pixel_values' has 3 rows, expected 4"):
         MLLMMediaHandler().merge_pack([bad_rows])
     stacked = sample("s", 5, {"pixel_values": torch.zeros(2, 3, 4, 4)}, 1)
-    with pytest.raises(ValueError, match=r"sample 's': media field 'pixel_values' has 2 rows, expected 1"):
+    with pytest.raises(ValueError, match=r"sample 's': media fields hold 2 items, expected 1"):
         MLLMMediaHandler().merge_pack([stacked])
     other = sample("o", 5, {"images": torch.zeros(1, 3, 4, 4)}, 1)
+    with pytest.raises(ValueError, match=r"sample 'o': media fields \['images'\] are not known media fields"):
+        MLLMMediaHandler().merge_pack([other])
+    grid = torch.tensor([[1, 2, 2]])
+    gridded = sample("q", 5, {"pixel_values": torch.zeros(4, 8), "image_grid_thw": grid}, 1)
     good = sample("g", 5, {"pixel_values": torch.zeros(1, 3, 4, 4)}, 1)
-    with pytest.raises(ValueError, match=r"sample 'o': media fields \['images'\] differ"):
-        MLLMMediaHandler().merge_pack([good, other])
+    with pytest.raises(ValueError, match=r"sample 'q': media fields \['image_grid_thw', 'pixel_values'\] differ"):
+        MLLMMediaHandler().merge_pack([good, gridded])
+    no_pixels = sample("n", 5, {"video_grid_thw": grid}, 1)
+    with pytest.raises(ValueError, match=r"'video_grid_thw' without 'pixel_values_videos'"):
+        MLLMMediaHandler().merge_pack([no_pixels])
+
+
+def test_images_and_videos_merge_kind_by_kind_in_segment_order():
+    """[video, image + video, text, image] in one pack and a video-only pack after it: each kind keeps its items in
+    segment order, with its own segment and row ids; num_media counts both kinds."""
+    def media(images=(), videos=()):
+        out = {}
+        if images:
+            grid = torch.tensor(images)
+            out.update(pixel_values=torch.arange(int(grid.prod(-1).sum())).float()[:, None], image_grid_thw=grid)
+        if videos:
+            grid = torch.tensor(videos)
+            out.update(pixel_values_videos=-torch.arange(int(grid.prod(-1).sum())).float()[:, None],
+                       video_grid_thw=grid)
+        return out
+
+    v = sample("v", 4, media(videos=[[2, 2, 2]]), 1)
+    iv = sample("iv", 6, media(images=[[1, 2, 2]], videos=[[1, 2, 4], [3, 2, 2]]), 3)
+    i = sample("i", 3, media(images=[[1, 4, 2]]), 1)
+    rows = [MLLMPack([v, iv, sample("t", 2), i]).to_model_inputs(), MLLMPack([v]).to_model_inputs()]
+    assert rows[0]["media_segment_ids"].tolist() == [1, 3]
+    assert rows[0]["video_segment_ids"].tolist() == [0, 1, 1]
+    batch = MLLMCollator(pad_token_id=0)(rows)
+    assert batch["image_grid_thw"].tolist() == [[1, 2, 2], [1, 4, 2]]
+    assert batch["video_grid_thw"].tolist() == [[2, 2, 2], [1, 2, 4], [3, 2, 2], [2, 2, 2]]
+    assert batch["pixel_values"].shape == (12, 1) and batch["pixel_values_videos"].shape == (36, 1)
+    assert batch["video_segment_ids"].tolist() == [0, 1, 1, 0] and batch["video_batch_index"].tolist() == [0, 0, 0, 1]
+    assert batch["media_segment_ids"].tolist() == [1, 3] and batch["media_batch_index"].tolist() == [0, 0]

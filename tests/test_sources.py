@@ -1,4 +1,5 @@
-"""Record reading: both formats, every validation error (named by origin), path resolution, image access."""
+"""Record reading: both formats, every validation error (named by origin), path resolution, image access; videos
+(files and frame folders) in every accepted form."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ def data_dir(tmp_path: Path) -> Path:
     for name, size in (("a.png", (40, 30)), ("b.png", (20, 50)), ("sub/c.png", (16, 16))):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         Image.new("RGB", size, (200, 10, 10)).save(tmp_path / name)
+    (tmp_path / "clip.mp4").write_bytes(b"read checks existence only")
+    (tmp_path / "frames").mkdir()
     return tmp_path
 
 
@@ -67,6 +70,9 @@ RECORD_REASONS = {
     "leading_assistant",
     "unplaced_image",
     "conflicting_system",
+    "missing_video",
+    "remote_video",
+    "unplaced_video",
 }
 
 
@@ -152,6 +158,27 @@ ERROR_CASES = {
         },
         "is a URL; only local files are supported",
     ),
+    "missing_video": (llava(("human", "<video> hi"), ("gpt", "x"), video="nope.mp4"),
+                      "video file or frame folder not found: "),
+    "remote_video": (
+        {"messages": [{"role": "user", "content": [{"type": "video", "video": "s3://bucket/v.mp4"}]},
+                      {"role": "assistant", "content": "x"}]},
+        "video 's3://bucket/v.mp4' is a URL",
+    ),
+    "unplaced_video": (
+        llava(("human", "<video> hi"), ("gpt", "x"), videos=["clip.mp4", "frames"]),
+        "1 of its 2 top-level video(s) have no <video> tag/video slot",
+    ),
+    "too_many_video_tags": (llava(("human", "<video><video>"), ("gpt", "x"), video="clip.mp4"),
+                            "2 <video> tag(s)/video slot(s) but 1 video(s)"),
+    "video_and_videos": (llava(("human", "hi"), ("gpt", "x"), video="clip.mp4", videos=["frames"]),
+                         "both 'video' and 'videos'"),
+    "bad_fps": (llava(("human", "<video>"), ("gpt", "x"), video="frames", fps=0), "'fps' must be a positive number"),
+    "bad_part_fps": (
+        {"messages": [{"role": "user", "content": [{"type": "video", "path": "frames", "fps": "2"}]},
+                      {"role": "assistant", "content": "x"}]},
+        "part 1: 'fps' must be a positive number, got '2'",
+    ),
 }
 
 
@@ -166,6 +193,9 @@ ERROR_REASONS = {
     "unplaced_llava_image": "unplaced_image",
     "unplaced_openai_image": "unplaced_image",
     "conflicting_system": "conflicting_system",
+    "missing_video": "missing_video",
+    "remote_video": "remote_video",
+    "unplaced_video": "unplaced_video",
 }
 
 
@@ -342,6 +372,42 @@ def test_images_without_tags_go_to_the_start_of_the_first_user_turn(data_dir: Pa
     record = parse_record(raw, "rec:1", data_dir)
     assert record.messages[0] == {"role": "system", "content": [text("sys")]}
     assert record.messages[1]["content"] == [image(data_dir / "a.png"), image(data_dir / "b.png"), text("What is it?")]
+
+
+def video(path: Path, **fps) -> dict:
+    return {"type": "video", "path": str(path), **fps}
+
+
+def test_video_forms_parse_to_the_same_record(data_dir: Path) -> None:
+    """LLaVA-Video top-level videos with ``<video>`` tags, OpenAI video parts (path, ``video``, ``video_url``, a
+    slot), a frame folder: one record, each video where it was put, the record's fps on those without their own."""
+    clip, frames = data_dir / "clip.mp4", data_dir / "frames"
+    question = [{"type": "image", "image": "a.png"}, text("\nFirst "), None, text(" then "), None, text("?")]
+
+    def openai(first: dict, second: dict, **top) -> dict:
+        parts = [first if p is None and i == 2 else second if p is None else p for i, p in enumerate(question)]
+        return {**top, "messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": "x"}]}
+
+    forms = [
+        llava(("human", "<image>\nFirst <video> then <video>?"), ("gpt", "x"), image="a.png",
+              videos=["clip.mp4", "frames"], fps=3),
+        openai({"type": "video", "video": "clip.mp4"}, {"type": "video", "path": str(frames)}, fps=3),
+        openai({"type": "video_url", "video_url": {"url": f"file://{clip}"}, "fps": 3}, {"type": "video", "fps": 3},
+               videos=["frames"], fps=1),
+    ]
+    expected = [image(data_dir / "a.png"), text("\nFirst "), video(clip, fps=3.0), text(" then "),
+                video(frames, fps=3.0), text("?")]
+    for raw in forms:
+        record = parse_record(raw, "rec:1", data_dir)
+        assert record.messages[0]["content"] == expected
+        assert record.video_paths == [str(clip), str(frames)]
+        assert record.media_paths == [str(data_dir / "a.png"), str(clip), str(frames)]
+
+
+def test_unplaced_videos_go_first_after_unplaced_images_and_without_fps(data_dir: Path) -> None:
+    raw = llava(("human", "What?"), ("gpt", "x"), image="a.png", video="clip.mp4")
+    record = parse_record(raw, "rec:1", data_dir)
+    assert record.messages[0]["content"] == [image(data_dir / "a.png"), video(data_dir / "clip.mp4"), text("What?")]
 
 
 def test_tag_positions_and_text_are_kept_exactly(data_dir: Path) -> None:

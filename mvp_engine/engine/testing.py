@@ -13,7 +13,7 @@ This module is the kit's public entry point; the checks live in ``mvp_engine.eng
 - ``participation``: declared-unreachable parameters really get no gradient; the dummy media pass reaches every
   media parameter with an exact zero.
 - ``launch``: real ``python -m`` / torchrun launches of a recipe, their metrics, summaries and final weights.
-- ``records``: demo-like records with real image files.
+- ``records``: demo-like records with real image files (and tiny clips written with PyAV).
 - ``suites``: ready-made pytest classes over all of the above (``from mvp_engine.engine.testkit.suites import
   SmokeSuite``); kept out of this module so importing the kit does not import pytest.
 """
@@ -46,8 +46,14 @@ from .testkit.records import (
     text,
     user,
     varied_records,
+    varied_video_records,
+    video,
+    video_record,
+    write_broken_videos,
+    write_frame_folder,
     write_image,
     write_mixed_jsonl,
+    write_video,
 )
 from .testkit.smoke import check_smoke_summary, smoke_run
 from .testkit.structure import (
@@ -104,6 +110,12 @@ __all__ = [
     "text",
     "user",
     "varied_records",
+    "varied_video_records",
+    "video",
+    "video_record",
+    "write_broken_videos",
+    "write_frame_folder",
     "write_image",
     "write_mixed_jsonl",
+    "write_video",
 ]

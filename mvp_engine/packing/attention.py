@@ -35,13 +35,15 @@ from typing import Any
 
 import torch
 
+from mvp_engine.kit.mllm.data.media import OWNER_KEYS
+
 FLASH_PREFIX = "flash_attention"
 SDPA_VARLEN = "sdpa_varlen"  # mvp_engine/packing/varlen_sdpa.py registers it with transformers
 FLEX = "flex_attention"
 # Batch fields whose names a transformers model would consume with a different meaning (first two), or that only
 # the engine reads (bookkeeping, labels: the engine computes the loss from the logits).
 FORBIDDEN_MODEL_KWARGS = ("cu_seqlens", "max_seqlen", "sample_ids", "media_tokens", "source_sample_num",
-                          "pack_segment_ids", "media_segment_ids", "media_batch_index", "labels")
+                          "pack_segment_ids", *sorted(OWNER_KEYS), "labels")
 
 
 def validate_segment_ids(segment_ids: torch.Tensor) -> None:

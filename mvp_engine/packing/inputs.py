@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from mvp_engine.kit.mllm.data.media import IMAGES, MediaKind
+
 from .attention import (
     attention_mask_for,
     check_packed_model_kwargs,
@@ -69,27 +71,27 @@ def text_positions(batch: Mapping[str, Any]) -> torch.Tensor:
     return positions
 
 
-def media_owners(batch: Mapping[str, Any], n_items: int) -> list[tuple[int, int]]:
-    """``(row, segment)`` of every media item, required in row-major, segment order: models fill placeholders in
-    the order of the flattened batch, so any other order would hand one sample another's image."""
+def media_owners(batch: Mapping[str, Any], n_items: int, kind: MediaKind = IMAGES) -> list[tuple[int, int]]:
+    """``(row, segment)`` of every media item of ``kind``, required in row-major, segment order: models fill
+    placeholders in the order of the flattened batch, so any other order would hand one sample another's image."""
     if n_items == 0:
         return []
-    rows, segs = batch.get("media_batch_index"), batch.get("media_segment_ids")
+    rows, segs = batch.get(kind.row_key), batch.get(kind.segment_key)
     if rows is None or segs is None:
-        raise ValueError("a batch with images needs media_batch_index and media_segment_ids")
+        raise ValueError(f"a batch with {kind.patch_key} needs {kind.row_key} and {kind.segment_key}")
     owners = list(zip(rows.tolist(), segs.tolist()))
     if len(owners) != n_items:
-        raise ValueError(f"{len(owners)} media owners for {n_items} images")
+        raise ValueError(f"{len(owners)} media owners ({kind.segment_key}) for {n_items} items")
     if owners != sorted(owners):
         raise ValueError("media must be concatenated in row-major, segment order (the model fills placeholders so)")
     return owners
 
 
 def check_media_placement(batch: Mapping[str, Any], placeholder: torch.Tensor,
-                          tokens_per_item: Sequence[int]) -> list[tuple[int, int]]:
-    """Every segment holds exactly the placeholder tokens its own media items need (``placeholder``: (B, L) bool,
-    ``tokens_per_item``: placeholder tokens of each item in batch order); returns the items' owners."""
-    owners = media_owners(batch, len(tokens_per_item))
+                          tokens_per_item: Sequence[int], kind: MediaKind = IMAGES) -> list[tuple[int, int]]:
+    """Every segment holds exactly the placeholder tokens its own media items of ``kind`` need (``placeholder``:
+    (B, L) bool, ``tokens_per_item``: placeholder tokens of each item in batch order); returns the items' owners."""
+    owners = media_owners(batch, len(tokens_per_item), kind)
     needed: Counter = Counter()
     for owner, tokens in zip(owners, tokens_per_item):
         needed[owner] += int(tokens)
@@ -98,8 +100,8 @@ def check_media_placement(batch: Mapping[str, Any], placeholder: torch.Tensor,
     for row, seg in sorted(set(needed) | set(have)):
         if have[(row, seg)] != needed[(row, seg)]:
             items = sum(1 for owner in owners if owner == (row, seg))
-            raise ValueError(f"row {row} segment {seg}: {have[(row, seg)]} image tokens but its {items} image(s) "
-                             f"need {needed[(row, seg)]}")
+            raise ValueError(f"row {row} segment {seg}: {have[(row, seg)]} {kind.name} tokens but its {items} "
+                             f"{kind.name}(s) need {needed[(row, seg)]}")
     return owners
 
 

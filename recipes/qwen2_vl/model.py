@@ -6,13 +6,14 @@ tokenizer asset (``assets/tokenizers/qwen2_vl``); ``pretrained=<dir>`` loads a `
 generic parts (pretrained vs tiny init, the tokenizer + image processor bundle) are ``mvp_engine.engine.builders``.
 
 Images go through ``Qwen2VLImageProcessorPil``: transformers' torchvision-free backend. ``Qwen2VLProcessor`` is
-not used because it insists on a video processor, which needs torchvision.
+not used because it insists on a video processor, which needs torchvision; videos go through the kit's
+``QwenVideoProcessor`` (numpy/PIL, the same layout as ``Qwen2VLVideoProcessor``) instead.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -20,6 +21,7 @@ from transformers import PreTrainedTokenizerBase, Qwen2VLConfig, Qwen2VLForCondi
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from mvp_engine.engine.builders import ProcessorBundle, build_hf_model, build_processor_bundle, to_plain
+from mvp_engine.kit.mllm.data.video_patches import QwenVideoProcessor
 from mvp_engine.packing import sub_model_attention, unwrap_model
 
 FLASH_BACKENDS = ("flash_attention_2", "flash_attention_3")
@@ -30,6 +32,8 @@ DEFAULT_TOKENIZER_DIR = REPO_ROOT / "assets" / "tokenizers" / "qwen2_vl"
 # Small pixel bounds: every image becomes 4..64 merged tokens (one merged token covers 28x28 pixels).
 DEFAULT_MIN_PIXELS = 28 * 28 * 4
 DEFAULT_MAX_PIXELS = 28 * 28 * 64
+# Video frames: 4..16 merged tokens per frame pair; 2 frames a second, 4..16 frames per clip.
+DEFAULT_VIDEO = {"min_pixels": 28 * 28 * 4, "max_pixels": 28 * 28 * 16, "fps": 2.0, "min_frames": 4, "max_frames": 16}
 
 IMAGE_TOKEN = "<|image_pad|>"
 VIDEO_TOKEN = "<|video_pad|>"
@@ -42,24 +46,43 @@ PAD_TOKEN = "<|endoftext|>"
 
 @dataclass
 class Qwen2VLProcessorBundle(ProcessorBundle):
-    """Tokenizer + ``Qwen2VLImageProcessorPil``; the image placeholder is ``<|image_pad|>``."""
+    """Tokenizer + ``Qwen2VLImageProcessorPil`` + the kit's ``QwenVideoProcessor``; the placeholders are
+    ``<|image_pad|>`` and ``<|video_pad|>``."""
 
     image_token: str = IMAGE_TOKEN
+    video_processor: QwenVideoProcessor = field(default_factory=QwenVideoProcessor)
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        super().save_pretrained(directory)
+        self.video_processor.save_pretrained(directory)
 
 
 def build_processor(model_cfg: Mapping | None = None) -> Qwen2VLProcessorBundle:
-    """Tokenizer and image processor: from ``model_cfg.pretrained`` if set, else the asset tokenizer.
+    """Tokenizer, image and video processors: from ``model_cfg.pretrained`` if set, else the asset tokenizer.
 
     Keys read: ``pretrained``, ``tokenizer_dir`` (default: the committed asset), ``image_min_pixels``,
-    ``image_max_pixels`` (defaults: 4 and 64 merged tokens per image; ignored for a pretrained dir, whose saved
-    preprocessor config wins).
+    ``image_max_pixels`` (defaults: 4 and 64 merged tokens per image), ``video_min_pixels``, ``video_max_pixels``
+    (per frame), ``video_fps``, ``video_min_frames``, ``video_max_frames`` (defaults: ``DEFAULT_VIDEO``). The
+    media keys are ignored for a pretrained dir, whose saved preprocessor configs win (transformers' Qwen2-VL
+    video defaults where it saved none). Patch, merge and temporal patch sizes, mean and std come from the image
+    processor, so images and videos meet the vision tower alike.
     """
     cfg = to_plain(model_cfg) or {}
-    return build_processor_bundle(
+    bundle = build_processor_bundle(
         Qwen2VLProcessorBundle, cfg, Qwen2VLImageProcessorPil, DEFAULT_TOKENIZER_DIR,
         min_pixels=int(cfg.get("image_min_pixels") or DEFAULT_MIN_PIXELS),
         max_pixels=int(cfg.get("image_max_pixels") or DEFAULT_MAX_PIXELS),
     )
+    images = bundle.image_processor
+    patches = {"patch_size": int(images.patch_size), "merge_size": int(images.merge_size),
+               "temporal_patch_size": int(images.temporal_patch_size), "image_mean": tuple(images.image_mean),
+               "image_std": tuple(images.image_std)}
+    if cfg.get("pretrained"):
+        video = QwenVideoProcessor.from_pretrained(cfg["pretrained"], **patches)
+    else:
+        video = QwenVideoProcessor(**patches, **{key: cfg.get(f"video_{key}") or value
+                                                 for key, value in DEFAULT_VIDEO.items()})
+    return replace(bundle, video_processor=video)
 
 
 def tiny_config(model_cfg: Mapping, tokenizer: PreTrainedTokenizerBase) -> Qwen2VLConfig:

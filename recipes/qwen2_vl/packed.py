@@ -6,7 +6,9 @@ How Qwen2-VL consumes positions (``modeling_qwen2_vl.py``):
   ``position_ids`` is None; ``get_rope_index(input_ids, mm_token_type_ids, image_grid_thw, ...)`` walks each row as
   ONE sequence (text runs advance by 1, an image block takes a (t, h, w) grid starting at the current position,
   after it the position advances by ``max(h, w) / merge``) and consumes ``image_grid_thw`` in order across rows.
-  Run on a packed row it would continue positions across samples: the per-segment positions are built here.
+  Run on a packed row it would continue positions across samples: the per-segment positions are built here, each
+  segment's call given that segment's own image grids and video grids (``video_grid_thw``, consumed in order too;
+  a clip is one run of video tokens whose temporal positions advance by 1 per temporal patch in Qwen2-VL).
 - ``Qwen2VLTextModel.forward``: (4, B, L) ``position_ids`` are split into a text row ``[0]`` and the M-RoPE rows
   ``[1:]``. Only the text row goes to ``create_causal_mask`` (packed detection) and to the attention function
   (flash's position-based varlen fallback); 2-D or (3, B, L) positions give ``text_position_ids=None``, i.e. no
@@ -31,6 +33,7 @@ from typing import Any
 
 import torch
 
+from mvp_engine.kit.mllm.data.media import IMAGES, VIDEOS, MediaKind
 from mvp_engine.packing import (
     check_media_placement,
     prepare_packed_inputs,
@@ -42,6 +45,7 @@ from mvp_engine.packing import (
 
 # flex_attention is refused by transformers 5.24 for Qwen2-VL at load time.
 ATTENTION_BACKENDS = ("eager", "sdpa", "sdpa_varlen", "flash_attention_2")
+MEDIA = ((IMAGES, 1), (VIDEOS, 2))  # each media kind with its mm_token_type_ids code
 
 
 def mm_token_type_ids(input_ids: torch.Tensor, config) -> torch.Tensor:
@@ -57,49 +61,58 @@ def _base_model(model):
     return model.model if hasattr(model, "lm_head") else model
 
 
+def _segment_grids(batch: dict[str, Any], types: torch.Tensor, kind: MediaKind, code: int,
+                   merge: int) -> dict[tuple[int, int], torch.Tensor]:
+    """``(row, segment)`` -> that segment's grids of ``kind``, each segment's placeholders checked against them."""
+    grids = batch.get(kind.grid_key)
+    tokens = [] if grids is None else (grids.prod(-1) // merge**2).tolist()
+    owners = check_media_placement(batch, types == code, tokens, kind)
+    items: dict[tuple[int, int], list[int]] = {}
+    for index, owner in enumerate(owners):
+        items.setdefault(owner, []).append(index)
+    return {owner: grids[indices] for owner, indices in items.items()}
+
+
 def packed_position_ids(batch: dict[str, Any], model) -> torch.Tensor:
     """(4, B, L) positions: row 0 the per-segment text positions, rows 1..3 the model's own ``get_rope_index`` run
-    on each segment's slice with only that segment's image grids; padding gets one fresh run in all 4 rows."""
+    on each segment's slice with only that segment's image and video grids; padding gets one fresh run in all 4
+    rows."""
     model = unwrap_model(model)
     input_ids, segment_ids = batch["input_ids"], batch["pack_segment_ids"]
     config = model.config
     text = text_positions(batch)
     positions = text.unsqueeze(0).repeat(4, 1, 1)
     types = mm_token_type_ids(input_ids, config)
-    if bool((types == 2).any()) or batch.get("video_grid_thw") is not None:
-        raise NotImplementedError("packed video is not supported by this recipe yet")
-
-    grids = batch.get("image_grid_thw")
     merge = config.vision_config.spatial_merge_size
-    tokens = [] if grids is None else (grids.prod(-1) // merge**2).tolist()
-    owners = check_media_placement(batch, types == 1, tokens)
+    grids = {kind: _segment_grids(batch, types, kind, code, merge) for kind, code in MEDIA}
     get_rope_index = _base_model(model).get_rope_index
-    cursor = 0
     for row, runs in enumerate(row_segments(segment_ids)):
         for seg, start, end in runs:
-            first = cursor
-            while cursor < len(owners) and owners[cursor] == (row, seg):
-                cursor += 1
-            if seg < 0 or cursor == first:
+            image_grids, video_grids = (grids[kind].get((row, seg)) for kind, _ in MEDIA)
+            if image_grids is None and video_grids is None:
                 continue  # padding, or text-only: get_rope_index gives the same arange as row 0
             rope, _ = get_rope_index(
                 input_ids[row : row + 1, start:end],
                 mm_token_type_ids=types[row, start:end].unsqueeze(0),
-                image_grid_thw=grids[first:cursor],
+                image_grid_thw=image_grids,
+                video_grid_thw=video_grids,
             )
             positions[1:, row, start:end] = rope[:, 0].to(positions.dtype)
     return positions
 
 
 def _media_kwargs(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-    grids = batch.get("image_grid_thw")
-    if grids is None or grids.shape[0] == 0:
-        return {}
-    pixel_values = batch["pixel_values"]
-    if pixel_values.shape[0] != int(grids.prod(-1).sum()):
-        needed = int(grids.prod(-1).sum())
-        raise ValueError(f"pixel_values has {pixel_values.shape[0]} patches, image_grid_thw needs {needed}")
-    return {"pixel_values": pixel_values, "image_grid_thw": grids}
+    """Pixels and grids of the batch's images and videos, each checked to hold the patches its grids need."""
+    kwargs = {}
+    for kind, _ in MEDIA:
+        grids = batch.get(kind.grid_key)
+        if grids is None or grids.shape[0] == 0:
+            continue
+        pixels, needed = batch[kind.patch_key], int(grids.prod(-1).sum())
+        if pixels.shape[0] != needed:
+            raise ValueError(f"{kind.patch_key} has {pixels.shape[0]} patches, {kind.grid_key} needs {needed}")
+        kwargs.update({kind.patch_key: pixels, kind.grid_key: grids})
+    return kwargs
 
 
 def prepare_packed(batch: dict[str, Any], model, attn_implementation: str) -> dict[str, Any]:
@@ -111,7 +124,7 @@ def prepare_packed(batch: dict[str, Any], model, attn_implementation: str) -> di
 
 def prepare_padded(batch: dict[str, Any], model, attn_implementation: str) -> dict[str, Any]:
     """Model kwargs for the unpacked baseline: one sample per row, a 2-D padding mask, positions computed by the
-    model (``mm_token_type_ids`` passed so its M-RoPE sees the images), ``use_cache=False``."""
+    model (``mm_token_type_ids`` passed so its M-RoPE sees the images and videos), ``use_cache=False``."""
     config = unwrap_model(model).config
     return prepare_padded_inputs(batch, model, attn_implementation, media=_media_kwargs(batch),
                                  mm_token_type_ids=mm_token_type_ids(batch["input_ids"], config))

@@ -17,22 +17,26 @@ from mvp_engine.kit.mllm.data import IGNORE_INDEX, MLLMMediaHandler, MLLMRecord
 
 from ..config import CONF_DIR
 from .equivalence import collate_rows
-from .records import assistant, demo_like_records, image, text, user, varied_records
+from .records import assistant, demo_like_records, image, text, user, varied_records, varied_video_records
 from .structure import compose_config, load_recipe
 
 REPO_ROOT = CONF_DIR.parent
 
 
 def check_measure_equals_encode(encoder, directory: Path) -> int:
-    """``measure`` (headers only) predicts ``encode`` exactly on many records; media rows match their items."""
+    """``measure`` (headers and video metadata only) predicts ``encode`` exactly on many records (clips too when the
+    encoder takes video); media rows match their items."""
     records = varied_records(Path(directory))
+    if encoder.video_token:
+        records += varied_video_records(Path(directory) / "videos")
+    placeholder_ids = torch.tensor([i for i in (encoder.image_token_id, encoder.video_token_id) if i is not None])
     handler = MLLMMediaHandler()
     for record in records:
         sample = encoder.encode(record)
         assert encoder.measure(record) == sample.meta, record.origin
-        assert sample.num_media == len(record.image_paths)
+        assert sample.num_media == len(record.media_paths)
         handler.validate(sample)
-        placeholders = (sample.input_ids == encoder.image_token_id).nonzero().view(-1)
+        placeholders = torch.isin(sample.input_ids, placeholder_ids).nonzero().view(-1)
         assert sample.media_tokens == placeholders.numel()
         assert sample.media_end == (int(placeholders[-1]) + 1 if placeholders.numel() else 0)
     return len(records)

@@ -1,7 +1,8 @@
 """Packed equivalence: a packed forward/backward computes exactly what one-by-one forwards/backwards compute.
 
 The case: real records (PIL images written to a temp dir: image samples, text-only samples, a multi-image
-multi-turn sample) encoded by the recipe's own encoder, packed into two rows that both end in padding through the
+multi-turn sample, and a PyAV clip when the recipe's encoder takes video) encoded by the recipe's own encoder,
+packed into two rows that both end in padding through the
 DataKit's ``MLLMPack`` / ``MLLMCollator`` (the batches training sees). The reference: each sample alone, through
 the recipe's ``prepare_padded`` on a one-row batch without padding (the model's own positions and causal mask).
 Compared, in fp32 on CPU for eager / sdpa / flex_attention (flash: CUDA and bf16 only):
@@ -32,7 +33,7 @@ from mvp_engine.packing.attention import FLEX
 
 from ..loss import weighted_token_loss
 from ..recipe import Recipe
-from .records import demo_like_records
+from .records import demo_like_records, video_record
 from .structure import backward_available, compose_config, load_recipe
 
 TOL = 1e-5
@@ -74,13 +75,17 @@ class EquivalenceCase:
 
 
 def equivalence_case(name: str, workdir: Path) -> EquivalenceCase:
-    """Rows ``[image, text-only, multi-image]`` and ``[text-only, image]``, both ending in padding."""
+    """Rows ``[image, text-only, multi-image]`` and ``[text-only, image]`` (``[text-only, image, video]`` when the
+    encoder takes video), both ending in padding."""
     recipe = load_recipe(name)
     model_cfg = compose_config(name).model
     processor = recipe.build_processor(model_cfg)
     encoder = recipe.build_encoder(processor)
-    samples = [encoder.encode(record) for record in demo_like_records(Path(workdir))]
-    rows = [[samples[0], samples[1], samples[2]], [samples[3], samples[4]]]
+    records = demo_like_records(Path(workdir))
+    if getattr(encoder, "video_token", None):
+        records.append(video_record(Path(workdir)))
+    samples = [encoder.encode(record) for record in records]
+    rows = [samples[:3], samples[3:]]
     batch = collate_rows(rows, recipe.pad_token_id(processor))
     assert (batch["pack_segment_ids"][:, -1] == -1).all(), "every row must end in padding"
     return EquivalenceCase(recipe, model_cfg, processor, samples, rows, batch)

@@ -1,10 +1,12 @@
-"""Demo-like records for recipe checks: real image files written with PIL, OpenAI-style messages."""
+"""Demo-like records for recipe checks: real image files written with PIL, tiny clips written with PyAV,
+OpenAI-style messages."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import av
 import numpy as np
 from PIL import Image
 
@@ -19,12 +21,57 @@ def write_image(path: Path, height: int, width: int, seed: int) -> str:
     return str(path)
 
 
+def write_video(path: Path, num_frames: int, height: int, width: int, seed: int, fps: int = 10,
+                codec: str = "libx264", faststart: bool = False) -> str:
+    """A random-noise clip (``codec``: ``libx264`` or ``mpeg4`` in ``.mp4``, ``libvpx`` in ``.webm``, whose container
+    states no frame count); sides even, as yuv420p needs. ``faststart`` writes an mp4's index before the frames."""
+    rng = np.random.default_rng(seed)
+    with av.open(str(path), "w", options={"movflags": "faststart"} if faststart else {}) as container:
+        stream = container.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for _ in range(num_frames):
+            frame = av.VideoFrame.from_ndarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8), "rgb24")
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    return str(path)
+
+
+def write_frame_folder(directory: Path, num_frames: int, height: int, width: int, seed: int) -> str:
+    """A frame folder: ``num_frames`` PNG files named so that only a numeric sort orders them right."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for i in range(num_frames):
+        write_image(directory / f"frame_{i + 1}.png", height, width, seed + i)
+    return str(directory)
+
+
+def write_broken_videos(directory: Path) -> dict[str, str]:
+    """One clip per video fault, keyed by the reason it is counted under: a file that is no video
+    (``unreadable_video``, found by measure), frame data zeroed behind an intact header (``corrupt_video``, found
+    by decoding) and an mp4 whose index, written first, promises 20 frames of which the file holds about half
+    (``video_measure_mismatch``, found by decoding)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    garbage = directory / "garbage.mp4"
+    garbage.write_bytes(b"not a video at all" * 20)
+    zeroed = Path(write_video(directory / "zeroed.mp4", 12, 48, 64, seed=8))
+    data = bytearray(zeroed.read_bytes())
+    start = data.index(b"mdat") + 8
+    data[start : start + 2000] = bytes(2000)
+    zeroed.write_bytes(bytes(data))
+    cut = Path(write_video(directory / "cut.mp4", 20, 32, 32, seed=9, codec="mpeg4", faststart=True))
+    cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])
+    return {"unreadable_video": str(garbage), "corrupt_video": str(zeroed), "video_measure_mismatch": str(cut)}
+
+
 def text(t: str) -> dict:
     return {"type": "text", "text": t}
 
 
 def image(path: str) -> dict:
     return {"type": "image", "path": path}
+
+
+def video(path: str, fps: float | None = None) -> dict:
+    return {"type": "video", "path": path} if fps is None else {"type": "video", "path": path, "fps": fps}
 
 
 def user(*parts) -> dict:
@@ -62,6 +109,32 @@ def demo_like_records(directory: Path) -> list[MLLMRecord]:
                                                assistant("Because of light.")]),
         MLLMRecord("img1", "fixture.jsonl:5", [user(text("Describe:"), image(images["small"])),
                                                assistant("A small picture.")]),
+    ]
+
+
+def video_record(directory: Path) -> MLLMRecord:
+    """``vid0``: a short clip, a question and an answer, for recipes whose encoder takes video."""
+    directory.mkdir(parents=True, exist_ok=True)
+    clip = write_video(directory / "clip.mp4", num_frames=12, height=48, width=64, seed=7)
+    return MLLMRecord("vid0", "fixture.jsonl:6", [user(video(clip), text("What moves?")), assistant("Noise moves.")])
+
+
+def varied_video_records(directory: Path) -> list[MLLMRecord]:
+    """Clips of several lengths, rates, sizes and containers (h264 and mpeg4 mp4, webm without a frame count, a
+    frame folder with and without a given fps, one frame only), alone, together and next to images."""
+    directory.mkdir(parents=True, exist_ok=True)
+    clips = [write_video(directory / "a.mp4", 30, 48, 64, 0, fps=15),
+             write_video(directory / "b.mp4", 7, 90, 40, 1, fps=4, codec="mpeg4"),
+             write_video(directory / "c.webm", 25, 34, 120, 2, fps=25, codec="libvpx"),
+             write_video(directory / "d.mp4", 1, 60, 60, 3),
+             write_frame_folder(directory / "frames", 11, 30, 50, 4)]
+    picture = write_image(directory / "picture.png", 40, 70, 5)
+    return [
+        *(MLLMRecord(f"v{i}", f"videos.jsonl:{i}", [user(video(c), text("What happens?")), assistant("A change.")])
+          for i, c in enumerate(clips)),
+        MLLMRecord("fps", "videos.jsonl:5", [user(text("Look:"), video(clips[4], fps=8)), assistant("Slow.")]),
+        MLLMRecord("mix", "videos.jsonl:6", [user(image(picture), video(clips[0]), text("Same?")), assistant("No."),
+                                             user(video(clips[2]), video(clips[1])), assistant("Two more.")]),
     ]
 
 

@@ -14,12 +14,14 @@ from .chat import ChatTemplateEncoder
 from .collator import MLLMCollator
 from .dataset import EpochPlan, MLLMDataKit, MLLMPackedDataset, MLLMStreamingPackedDataset
 from .images import load_image, read_image_size
-from .media import MLLMMediaHandler
+from .media import MEDIA_KINDS, MediaKind, MLLMMediaHandler
 from .pack import MLLMPack
 from .sample import IGNORE_INDEX, MLLMRecord, MLLMSample, MLLMSampleEncoder, SampleMeta
 from .sources import MLLMRecordError, read_records
 from .spec import MLLMDataSpec, MLLMPackingSpec
 from .steps import estimate_total_steps, micro_batches_per_rank, optimizer_steps, packs_per_rank
+from .video import VideoInfo, load_video_frames, read_video_info
+from .video_patches import QwenVideoProcessor
 
 __all__ = [
     "BadRecord",
@@ -33,6 +35,7 @@ __all__ = [
     "GreedyAssembler",
     "MLLMCollator",
     "MLLMDataKit",
+    "MEDIA_KINDS",
     "MLLMDataSpec",
     "MLLMMediaHandler",
     "MLLMPack",
@@ -45,15 +48,20 @@ __all__ = [
     "MLLMSampleEncoder",
     "MLLMStreamingPackedDataset",
     "OverlongSampleError",
+    "MediaKind",
     "PackPlan",
+    "QwenVideoProcessor",
     "SampleMeta",
     "SingleSampleAssembler",
     "TokenAccounting",
+    "VideoInfo",
     "estimate_total_steps",
     "load_image",
+    "load_video_frames",
     "micro_batches_per_rank",
     "optimizer_steps",
     "packs_per_rank",
     "read_image_size",
     "read_records",
+    "read_video_info",
 ]

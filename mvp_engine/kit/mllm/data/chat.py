@@ -1,23 +1,29 @@
 """A sample encoder built on a tokenizer's chat template: the part of every recipe's encoder that is not the model.
 
-``ChatTemplateEncoder`` renders a record's messages with the tokenizer's chat template, expands the i-th image
-placeholder to the number of tokens the model emits for the i-th image, and supervises only assistant turns: the
-assistant's content and the template's turn-end marker, never the role header that opens the turn nor the
+``ChatTemplateEncoder`` renders a record's messages with the tokenizer's chat template, expands the i-th image (and
+video) placeholder to the number of tokens the model emits for the i-th image (video), and supervises only assistant
+turns: the assistant's content and the template's turn-end marker, never the role header that opens the turn nor the
 placeholder (or any other ``unsupervised_tokens``). Supervised character spans come from rendering growing
 prefixes of the conversation, so the template must be prefix-stable (rendering the first k messages gives a prefix
 of rendering them all); a template that is not is refused with a clear error.
 
-``encode`` and ``measure`` share one layout function and differ only in where the per-image token counts come
-from: ``encode_images`` (the image processor, on decoded pixels) or ``image_token_count`` (the image size read
-from the file header, nothing decoded). Both read images through the kit's helpers (EXIF rotation applied on both
-sides), so the counts agree. Every error names ``record.origin``.
+``encode`` and ``measure`` share one layout function and differ only in where the per-medium token counts come
+from: ``encode_images`` / ``encode_videos`` (the processors, on decoded pixels) or ``image_token_count`` /
+``video_token_count`` (the image size read from the file header; the video's :class:`VideoInfo`, read from its
+container or frame folder, nothing decoded). Both read media through the kit's helpers (EXIF rotation applied on
+both sides, the same video metadata), so the counts agree; a video that then decodes fewer frames than its header
+promised is a bad record (``video_measure_mismatch``), not a wrong plan. Every error names ``record.origin``.
 
 A recipe subclasses it and sets ``image_token``, ``assistant_header``, ``turn_end``, ``unsupervised_tokens`` and
-implements the two hooks. The processor it is built from needs ``.tokenizer`` and ``.token_id(token)``.
+implements the image hooks; a recipe that takes video also sets ``video_token`` and implements the video hooks
+(without them a record with a video is a bad record, ``unsupported_video``). The processor it is built from needs
+``.tokenizer`` and ``.token_id(token)``; its ``video_processor`` (if any) goes into the fingerprint by ``repr``.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,15 +33,20 @@ from .images import load_image, read_image_size
 from .sample import IGNORE_INDEX, MLLMRecord, MLLMSample, SampleMeta, first_supervised_index
 from .sources import MLLMRecordError
 from .store import digest
+from .video import VideoInfo, read_video_info
 
 ROLES = ("system", "user", "assistant")
+# bad-record reasons per media kind
+REJECTED = {"image": "image_rejected", "video": "video_rejected"}
+TOKEN_MISMATCH = {"image": "image_token_mismatch", "video": "video_token_mismatch"}
 
 
 class ChatTemplateEncoder:
     """Implements ``MLLMSampleEncoder`` over a chat template; subclasses supply the model-specific hooks."""
 
     image_token: str = "<image>"
-    measure_version: int = 1  # bump when ``measure`` counts differently: it invalidates every measure cache
+    video_token: str | None = None  # the placeholder the chat template renders per video; None: no video
+    measure_version: int = 2  # bump when ``measure`` counts differently: it invalidates every measure cache
     assistant_header: str = ""
     turn_end: str = ""
     unsupervised_tokens: tuple[str, ...] = ()
@@ -46,8 +57,15 @@ class ChatTemplateEncoder:
         self.processor = processor
         self.tokenizer = processor.tokenizer
         self.image_token_id = processor.token_id(self.image_token)
+        self.video_token_id = processor.token_id(self.video_token) if self.video_token else None
+        # (kind, placeholder, its id) of every medium the recipe takes, in the order counts are passed around
+        self._placeholders = [("image", self.image_token, self.image_token_id)]
+        if self.video_token:
+            self._placeholders.append(("video", self.video_token, self.video_token_id))
+        self._placeholder_ids = torch.tensor([token_id for _, _, token_id in self._placeholders])
+        self._placeholder_split = re.compile("|".join(re.escape(token) for _, token, _ in self._placeholders))
         self._unsupervised_ids = torch.tensor(
-            [self.image_token_id, *(processor.token_id(token) for token in self.unsupervised_tokens)]
+            [*self._placeholder_ids.tolist(), *(processor.token_id(token) for token in self.unsupervised_tokens)]
         )
         self._special_tokens = sorted(set(self.tokenizer.all_special_tokens))
 
@@ -59,6 +77,15 @@ class ChatTemplateEncoder:
 
     def image_token_count(self, width: int, height: int) -> int:
         """The token count ``encode_images`` gives an image of this (upright) size, computed without pixels."""
+        raise NotImplementedError
+
+    def encode_videos(self, videos: list[VideoInfo]) -> tuple[dict[str, torch.Tensor], list[int]]:
+        """Media fields of the sample's videos (their frames decoded here) and each video's token count; a video
+        that does not decode as its metadata says raises :class:`MLLMRecordError` with its reason."""
+        raise NotImplementedError
+
+    def video_token_count(self, info: VideoInfo) -> int:
+        """The token count ``encode_videos`` gives this video, computed from its metadata alone."""
         raise NotImplementedError
 
     # -------------------------------------------------------------------------------------------------- public
@@ -75,43 +102,43 @@ class ChatTemplateEncoder:
         return digest({
             "encoder": f"{type(self).__module__}.{type(self).__qualname__}",
             "measure_version": self.measure_version,
-            "layout": [self.image_token, self.assistant_header, self.turn_end, list(self.unsupervised_tokens)],
+            "layout": [self.image_token, self.video_token, self.assistant_header, self.turn_end,
+                       list(self.unsupervised_tokens)],
             "settings": settings,
             "tokenizer": [type(tokenizer).__name__, backend.to_str() if backend is not None else
                           sorted(tokenizer.get_vocab().items()), tokenizer.chat_template,
                           sorted(tokenizer.all_special_tokens)],
             "image_processor": [type(processor).__name__,
                                 processor.to_dict() if hasattr(processor, "to_dict") else repr(processor)],
+            "video_processor": repr(getattr(self.processor, "video_processor", None)),
         })
 
     def encode(self, record: MLLMRecord) -> MLLMSample:
         self._validate(record)
         images = [self._load_image(record, path) for path in record.image_paths]
-        media: dict[str, torch.Tensor] = {}
-        counts: list[int] = []
-        if images:
-            try:
-                media, counts = self.encode_images(images)
-            except Exception as err:  # noqa: BLE001 - any processor failure is a bad record
-                raise MLLMRecordError(f"{record.origin}: image preprocessing failed: {err}", "image_rejected",
-                                      record_id=record.record_id) from err
+        videos = [self._video_info(record, part) for part in record.parts("video")]
+        media, image_counts = self._encode_media(record, "image", self.encode_images, images)
+        video_media, video_counts = self._encode_media(record, "video", self.encode_videos, videos)
+        media.update(video_media)
+        counts = {"image": image_counts, "video": video_counts}
         input_ids, labels = self._layout(record, counts)
         return MLLMSample(
             input_ids=input_ids,
             labels=labels,
             sample_id=record.record_id,
             media=media,
-            num_media=len(counts),
-            media_tokens=sum(counts),
+            num_media=len(image_counts) + len(video_counts),
+            media_tokens=sum(image_counts) + sum(video_counts),
             media_end=self._media_end(input_ids),
         )
 
     def measure(self, record: MLLMRecord) -> SampleMeta:
         self._validate(record)
-        counts = [self._header_token_count(record, path) for path in record.image_paths]
+        counts = {"image": [self._header_token_count(record, path) for path in record.image_paths],
+                  "video": [self._metadata_token_count(record, part) for part in record.parts("video")]}
         input_ids, labels = self._layout(record, counts)
-        return SampleMeta(length=int(input_ids.numel()), num_media=len(counts), media_end=self._media_end(input_ids),
-                          first_supervised=first_supervised_index(labels))
+        return SampleMeta(length=int(input_ids.numel()), num_media=len(counts["image"]) + len(counts["video"]),
+                          media_end=self._media_end(input_ids), first_supervised=first_supervised_index(labels))
 
     # ------------------------------------------------------------------------------------------------- helpers
 
@@ -132,7 +159,10 @@ class ChatTemplateEncoder:
                         raise self._bad(record, f"message {i} text contains a special token literally",
                                         "special_token_text")
                     continue
-                if kind == "image" and isinstance(part.get("path"), str) and part["path"]:
+                if kind in ("image", "video") and isinstance(part.get("path"), str) and part["path"]:
+                    if kind == "video" and not self.video_token:
+                        raise self._bad(record, f"message {i} has a video, which {type(self).__name__} does not take",
+                                        "unsupported_video")
                     continue
                 raise self._bad(record, f"message {i} has an unsupported part {part!r}")
 
@@ -141,6 +171,33 @@ class ChatTemplateEncoder:
             return load_image(path)
         except MLLMRecordError as err:
             raise self._bad(record, str(err), err.reason) from None
+
+    def _encode_media(self, record: MLLMRecord, kind: str, hook: Callable, items: list) -> tuple[dict, list[int]]:
+        """``hook(items)``: the media fields and token counts of one kind; a failure is a bad record."""
+        if not items:
+            return {}, []
+        try:
+            return hook(items)
+        except MLLMRecordError as err:  # a video that does not decode, or not as its metadata said
+            raise self._bad(record, str(err), err.reason) from None
+        except Exception as err:  # noqa: BLE001 - any processor failure is a bad record
+            raise MLLMRecordError(f"{record.origin}: {kind} preprocessing failed: {err}", REJECTED[kind],
+                                  record_id=record.record_id) from err
+
+    def _video_info(self, record: MLLMRecord, part: dict) -> VideoInfo:
+        try:
+            return read_video_info(part["path"], part.get("fps"))
+        except MLLMRecordError as err:
+            raise self._bad(record, str(err), err.reason) from None
+
+    def _metadata_token_count(self, record: MLLMRecord, part: dict) -> int:
+        """A video's token count from its metadata alone (container header or frame folder listing)."""
+        info = self._video_info(record, part)
+        try:
+            return int(self.video_token_count(info))
+        except Exception as err:  # noqa: BLE001 - the processor refuses this video (e.g. an extreme aspect ratio)
+            raise self._bad(record, f"video {info.path!r} ({info.width}x{info.height}, {info.num_frames} frames at "
+                            f"{info.fps:g} fps) refused by the video processor: {err}", REJECTED["video"]) from err
 
     def _header_token_count(self, record: MLLMRecord, path: str) -> int:
         """Token count from the file header alone (``Image.open`` reads the size without decoding)."""
@@ -152,22 +209,27 @@ class ChatTemplateEncoder:
             return int(self.image_token_count(width, height))
         except Exception as err:  # noqa: BLE001 - the processor refuses this size (e.g. an extreme aspect ratio)
             raise self._bad(record, f"image {path!r} ({width}x{height}) refused by the image processor: {err}",
-                            "image_rejected") from err
+                            REJECTED["image"]) from err
 
-    def _render(self, messages: list[dict], counts: list[int]) -> str:
-        """The chat-template text of ``messages`` with the i-th placeholder repeated ``counts[i]`` times."""
+    def _render(self, messages: list[dict], counts: dict[str, list[int]]) -> str:
+        """The chat-template text of ``messages`` with the i-th placeholder of each kind repeated ``counts[kind][i]``
+        times."""
         if not messages:
             return ""
         text = self.tokenizer.apply_chat_template(messages, tokenize=False)
-        pieces = text.split(self.image_token)
-        if len(pieces) - 1 > len(counts):
-            raise ValueError(f"template rendered {len(pieces) - 1} images, {len(counts)} counted")
-        out = [pieces[0]]
-        for count, piece in zip(counts, pieces[1:]):
-            out.append(self.image_token * count + piece)
-        return "".join(out)
+        kinds = {token: kind for kind, token, _ in self._placeholders}
+        seen = dict.fromkeys(kinds.values(), 0)
 
-    def _assistant_spans(self, messages: list[dict], counts: list[int]) -> tuple[str, list[tuple[int, int]]]:
+        def expand(match: re.Match) -> str:
+            kind = kinds[match.group(0)]
+            index, seen[kind] = seen[kind], seen[kind] + 1
+            if index >= len(counts[kind]):
+                raise ValueError(f"template rendered more than the {len(counts[kind])} {kind}(s) counted")
+            return match.group(0) * counts[kind][index]
+
+        return self._placeholder_split.sub(expand, text)
+
+    def _assistant_spans(self, messages: list[dict], counts: dict[str, list[int]]) -> tuple[str, list[tuple[int, int]]]:
         """The full rendering and the character span (content + turn end) of every assistant turn."""
         full = self._render(messages, counts)
         spans = []
@@ -186,7 +248,7 @@ class ChatTemplateEncoder:
             spans.append((start, end))
         return full, spans
 
-    def _layout(self, record: MLLMRecord, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _layout(self, record: MLLMRecord, counts: dict[str, list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids and labels: a token is supervised when its characters lie inside an assistant span."""
         try:
             full, spans = self._assistant_spans(record.messages, counts)
@@ -200,10 +262,11 @@ class ChatTemplateEncoder:
             supervised |= (offsets[:, 0] >= start) & (offsets[:, 1] <= end) & (offsets[:, 1] > offsets[:, 0])
         supervised &= ~torch.isin(input_ids, self._unsupervised_ids)
         labels = torch.where(supervised, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
-        n_placeholders = int((input_ids == self.image_token_id).sum())
-        if n_placeholders != sum(counts):
-            raise self._bad(record, f"{n_placeholders} image tokens in the text but the images need {sum(counts)} "
-                            f"(a literal {self.image_token} in a text part?)", "image_token_mismatch")
+        for kind, token, token_id in self._placeholders:
+            found, needed = int((input_ids == token_id).sum()), sum(counts[kind])
+            if found != needed:
+                raise self._bad(record, f"{found} {kind} tokens in the text but the {kind}s need {needed} "
+                                f"(a literal {token} in a text part?)", TOKEN_MISMATCH[kind])
         return input_ids, labels
 
     @staticmethod
@@ -213,5 +276,5 @@ class ChatTemplateEncoder:
                                record_id=record.record_id)
 
     def _media_end(self, input_ids: torch.Tensor) -> int:
-        positions = (input_ids == self.image_token_id).nonzero()
+        positions = torch.isin(input_ids, self._placeholder_ids).nonzero()
         return int(positions[-1]) + 1 if positions.numel() else 0

@@ -7,12 +7,12 @@ from collections.abc import Sequence
 
 import torch
 
-from .media import MLLMMediaHandler
+from .media import OWNER_KEYS, MLLMMediaHandler
 from .pack import TOKEN_FIELDS
 from .sample import IGNORE_INDEX
 
-NON_MEDIA_FIELDS = set(TOKEN_FIELDS) | {"source_sample_num", "cu_seqlens", "max_seqlen", "media_tokens",
-                                        "sample_ids", "media_segment_ids", "bad_records"}
+NON_MEDIA_FIELDS = set(TOKEN_FIELDS) | OWNER_KEYS | {"source_sample_num", "cu_seqlens", "max_seqlen", "media_tokens",
+                                                     "sample_ids", "bad_records"}
 
 
 class MLLMCollator:

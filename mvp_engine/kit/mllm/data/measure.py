@@ -146,7 +146,7 @@ class _Measure:
                 if isinstance(raw, MLLMRecordError):
                     raise raw
                 record = parse_record(raw, origin, self.rows.image_root, self.allow_leading_assistant)
-                media, stage = record.image_paths, "measure"
+                media, stage = record.media_paths, "measure"
                 meta = self.encoder.measure(record)
                 values, verdict = (meta.length, meta.num_media, meta.media_end, meta.first_supervised), (None,) * 4
             except MLLMRecordError as err:

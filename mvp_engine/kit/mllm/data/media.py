@@ -3,67 +3,106 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from .sample import MLLMSample
 
 
+@dataclass(frozen=True)
+class MediaKind:
+    """One kind of media item in ``MLLMSample.media``: the field holding its pixels, its per-item grid field (when
+    the layout has one) and the batch fields naming each item's segment and row."""
+
+    name: str
+    patch_key: str
+    grid_key: str
+    segment_key: str
+    row_key: str
+
+    @property
+    def keys(self) -> tuple[str, str]:
+        return self.patch_key, self.grid_key
+
+
+IMAGES = MediaKind("image", "pixel_values", "image_grid_thw", "media_segment_ids", "media_batch_index")
+VIDEOS = MediaKind("video", "pixel_values_videos", "video_grid_thw", "video_segment_ids", "video_batch_index")
+MEDIA_KINDS = (IMAGES, VIDEOS)
+OWNER_KEYS = frozenset(key for kind in MEDIA_KINDS for key in (kind.segment_key, kind.row_key))
+
+
 class MLLMMediaHandler:
-    """Concatenates media along dim 0 and records each media item's segment (and, in a batch, its row).
+    """Concatenates media along dim 0, kind by kind, and records each item's segment (and, in a batch, its row).
 
     Two layouts are seen in practice and both merge by concatenation: flattened patches plus a grid per item
-    (Qwen2-VL: ``pixel_values`` ``[patches, D]`` with ``image_grid_thw`` ``[items, 3]``) and stacked images
-    (LLaVA: ``pixel_values`` ``[items, C, H, W]``). ``grid_key`` names the per-item grid of the first layout;
-    when a sample has it, the patch rows must equal the sum of the grids' products, otherwise every media
-    tensor must have one row per item. Recipes need the segment of each item for per-segment positions.
+    (Qwen2-VL: ``pixel_values`` ``[patches, D]`` with ``image_grid_thw`` ``[items, 3]``; its videos likewise in
+    ``pixel_values_videos`` / ``video_grid_thw``) and stacked images (LLaVA: ``pixel_values`` ``[items, C, H, W]``).
+    With a grid, the patch rows must equal the sum of the grids' products and the items are the grid's rows;
+    without, the items are the patch field's rows. A sample's items of all kinds add up to its ``num_media``.
+    Samples may carry different kinds (an image sample next to a video sample); those carrying the same kind carry
+    the same fields for it. Recipes need the segment of each item for per-segment positions: ``media_segment_ids``
+    for images, ``video_segment_ids`` for videos, each in its kind's item order.
     """
 
-    def __init__(self, grid_key: str = "image_grid_thw", patch_key: str = "pixel_values"):
-        self.grid_key = grid_key
-        self.patch_key = patch_key
+    kinds = MEDIA_KINDS
+
+    def items(self, sample: MLLMSample, kind: MediaKind) -> int:
+        """Items of ``kind`` the sample carries, its fields checked against each other."""
+        media = sample.media
+        if kind.patch_key not in media:
+            if kind.grid_key in media:
+                raise ValueError(f"sample {sample.sample_id!r}: media field {kind.grid_key!r} without "
+                                 f"{kind.patch_key!r}")
+            return 0
+        rows = media[kind.patch_key].shape[0]
+        grid = media.get(kind.grid_key)
+        if grid is None:
+            return rows
+        expected = int(grid.prod(dim=-1).sum())
+        if rows != expected:
+            raise ValueError(f"sample {sample.sample_id!r}: media field {kind.patch_key!r} has {rows} rows, expected "
+                             f"{expected} (the patches of its {grid.shape[0]} grid(s))")
+        return grid.shape[0]
 
     def validate(self, sample: MLLMSample) -> None:
-        media = sample.media
-        if sample.num_media == 0:
-            if media:
-                raise ValueError(f"sample {sample.sample_id!r}: num_media=0 but media fields {sorted(media)} given")
-            return
-        grid = media.get(self.grid_key)
-        for key, value in media.items():
-            rows = value.shape[0]
-            if grid is not None and key == self.patch_key:
-                expected = int(grid.prod(dim=-1).sum())
-            else:
-                expected = sample.num_media
-            if rows != expected:
-                raise ValueError(f"sample {sample.sample_id!r}: media field {key!r} has {rows} rows, expected "
-                                 f"{expected} ({sample.num_media} media items)")
+        known = {key for kind in self.kinds for key in kind.keys}
+        unknown = sorted(set(sample.media) - known)
+        if unknown:
+            raise ValueError(f"sample {sample.sample_id!r}: media fields {unknown} are not known media fields "
+                             f"{sorted(known)}")
+        items = sum(self.items(sample, kind) for kind in self.kinds)
+        if items != sample.num_media:
+            raise ValueError(f"sample {sample.sample_id!r}: media fields hold {items} items, expected "
+                             f"{sample.num_media} (num_media)")
 
     def merge_pack(self, samples: Sequence[MLLMSample]) -> dict[str, torch.Tensor]:
-        """Media of one pack, plus ``media_segment_ids`` (the segment of each media item)."""
-        keys: list[str] = []
+        """Media of one pack, plus each kind's ``segment_key`` (the segment of each of its items)."""
         for sample in samples:
             self.validate(sample)
-            if sample.num_media and not keys:
-                keys = sorted(sample.media)
-            elif sample.num_media and sorted(sample.media) != keys:
-                raise ValueError(f"sample {sample.sample_id!r}: media fields {sorted(sample.media)} differ from "
-                                 f"the pack's {keys}")
-        merged = {key: torch.cat([s.media[key] for s in samples if s.num_media]) for key in keys}
-        merged["media_segment_ids"] = torch.repeat_interleave(
-            torch.arange(len(samples), dtype=torch.long),
-            torch.tensor([s.num_media for s in samples], dtype=torch.long),
-        )
+        merged: dict[str, torch.Tensor] = {}
+        for kind in self.kinds:
+            carriers = [s for s in samples if kind.patch_key in s.media]
+            fields = sorted(set(carriers[0].media) & set(kind.keys)) if carriers else []
+            for sample in carriers:
+                if sorted(set(sample.media) & set(kind.keys)) != fields:
+                    raise ValueError(f"sample {sample.sample_id!r}: media fields "
+                                     f"{sorted(set(sample.media) & set(kind.keys))} differ from the pack's {fields}")
+            merged.update({key: torch.cat([s.media[key] for s in carriers]) for key in fields})
+            merged[kind.segment_key] = torch.repeat_interleave(
+                torch.arange(len(samples), dtype=torch.long),
+                torch.tensor([self.items(s, kind) for s in samples], dtype=torch.long),
+            )
         return merged
 
     @staticmethod
     def merge_batch(rows: Sequence[dict], media_keys: Sequence[str]) -> dict[str, torch.Tensor]:
-        """Media of a batch of packs, in row-major order, plus ``media_batch_index`` (the row of each item)."""
+        """Media of a batch of packs, in row-major order, plus each kind's ``row_key`` (the row of each item)."""
         merged = {key: torch.cat([row[key] for row in rows if key in row]) for key in media_keys}
-        segment_ids = [row["media_segment_ids"] for row in rows]
-        merged["media_segment_ids"] = torch.cat(segment_ids)
-        merged["media_batch_index"] = torch.repeat_interleave(
-            torch.arange(len(rows), dtype=torch.long), torch.tensor([len(s) for s in segment_ids], dtype=torch.long)
-        )
+        for kind in MEDIA_KINDS:
+            segment_ids = [row.get(kind.segment_key, torch.zeros(0, dtype=torch.long)) for row in rows]
+            merged[kind.segment_key] = torch.cat(segment_ids)
+            merged[kind.row_key] = torch.repeat_interleave(
+                torch.arange(len(rows), dtype=torch.long), torch.tensor([len(s) for s in segment_ids], dtype=torch.long)
+            )
         return merged

@@ -15,29 +15,39 @@ class MLLMRecord:
     """One conversation as read from a source, normalised to OpenAI-style messages.
 
     ``messages`` is a list of ``{"role": "system"|"user"|"assistant", "content": [part, ...]}`` where a part is
-    ``{"type": "text", "text": str}`` or ``{"type": "image", "path": str}`` (an absolute path). ``origin``
-    names the file and line the record came from, so every error about it can point there.
+    ``{"type": "text", "text": str}``, ``{"type": "image", "path": str}`` or ``{"type": "video", "path": str}``
+    (absolute paths; a video part may carry ``"fps"``, the frame rate of a frame folder). ``origin`` names the file
+    and line the record came from, so every error about it can point there.
     """
 
     record_id: str
     origin: str
     messages: list[dict]
 
+    def parts(self, kind: str) -> list[dict]:
+        """The record's parts of one type (``"image"``, ``"video"``), in conversation order."""
+        return [part for message in self.messages for part in message["content"] if part["type"] == kind]
+
     @property
     def image_paths(self) -> list[str]:
-        return [
-            part["path"]
-            for message in self.messages
-            for part in message["content"]
-            if part["type"] == "image"
-        ]
+        return [part["path"] for part in self.parts("image")]
+
+    @property
+    def video_paths(self) -> list[str]:
+        return [part["path"] for part in self.parts("video")]
+
+    @property
+    def media_paths(self) -> list[str]:
+        """Every media file (or frame folder) the record names: what a cached measure of it depends on."""
+        return self.image_paths + self.video_paths
 
 
 @dataclass(frozen=True)
 class SampleMeta:
-    """What planning needs about a sample, obtained without decoding any image.
+    """What planning needs about a sample, obtained without decoding any image or video frame.
 
-    ``media_end`` is the token index just past the last media placeholder (0 when text-only): a sample may be
+    ``num_media`` counts images and videos (a video is one item). ``media_end`` is the token index just past the
+    last media placeholder, image or video (0 when text-only): a sample may be
     truncated to ``n`` tokens only when ``media_end <= n``, so truncation never cuts through media tokens.
     ``first_supervised`` is the index of the first supervised token after the first (the first token of a packed
     segment is never a target), ``length`` when there is none: a sample truncated to ``n <= first_supervised``

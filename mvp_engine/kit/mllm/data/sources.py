@@ -12,6 +12,14 @@ Two record formats are accepted, detected per record, so one file may mix them:
   ones are not (training must not depend on the network). A ``<image>`` tag in text, or an image part without
   a source, takes the next path from the top-level ``images`` list.
 
+Videos, in either format, mirror images: a top-level ``"video": str`` or ``"videos": [str]`` (LLaVA-Video style)
+placed by ``<video>`` tags, and OpenAI parts ``{"type": "video", "video" | "path" | "video_url": ...}`` (also
+``{"type": "video_url", "video_url": {"url": ...}}``; a part without a source takes the next top-level video). A
+video is a file any FFmpeg demuxer reads (through PyAV) or a **frame folder**: a directory whose image files,
+sorted by name (numbers compared as numbers), are the frames. A frame folder has no frame rate of its own: it is
+the part's ``"fps"``, else the record's top-level ``"fps"``, else ``DEFAULT_FRAME_FOLDER_FPS`` of
+``mvp_engine/kit/mllm/data/video.py`` (a video file's container rate always wins over a given ``fps``).
+
 Normalisation (what every encoder can rely on):
 
 * Image parts sit exactly where their tag or part was; the text around them is kept byte for byte (the
@@ -24,12 +32,15 @@ Normalisation (what every encoder can rely on):
 * A record that has images but no ``<image>`` tag / image slot / image part at all follows the LLaVA convention:
   all its images go, in order, at the start of the first user turn. A record that places some images but leaves
   a top-level image without a slot is a bad record (the image would land where its author did not put it).
+  Videos follow the same rules with ``<video>`` tags, on their own: unplaced videos go to the start of the first
+  user turn after any unplaced images.
 * A turn holding only whitespace text (and no image) is as empty as ``""`` and makes a bad record; text that is
   not blank is never stripped.
 * The first turn after the system prompt must be a user turn (a leading assistant turn trains an answer to
   nothing), unless ``allow_leading_assistant`` is set.
-* Relative image paths are resolved against ``image_root`` (default: the data file's directory) and made
-  absolute; every image file must exist.
+* Relative image and video paths are resolved against ``image_root`` (default: the data file's directory) and
+  made absolute; every image file, video file or frame folder must exist. A video part keeps its ``"fps"`` (a
+  positive number) when the record gives one.
 * ``record_id`` is the record's ``id`` (string or integer) or, without one, its origin.
 
 Every problem is an :class:`MLLMRecordError` whose message starts with the record's origin (``file:line``),
@@ -50,20 +61,48 @@ import json
 import os
 import re
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mvp_engine.kit.mllm.data.sample import MLLMRecord
 
 IMAGE_TAG = "<image>"
-_TAG_SPLIT = re.compile(re.escape(IMAGE_TAG))
+VIDEO_TAG = "<video>"
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """A media kind as records write it: its name (also its top-level keys, ``name`` and ``name + "s"``), text tag,
+    OpenAI part types, the part keys naming a file, and whether a folder is one (a video's frame folder)."""
+
+    name: str
+    tag: str
+    part_types: tuple[str, ...]
+    source_keys: tuple[str, ...]
+    url_key: str
+    folders: bool
+
+    def exists(self, path: str) -> bool:
+        return os.path.isfile(path) or (self.folders and os.path.isdir(path))
+
+
+IMAGE = _Kind("image", IMAGE_TAG, ("image", "image_url"), ("path", "image", "image_url"), "image_url", False)
+VIDEO = _Kind("video", VIDEO_TAG, ("video", "video_url"), ("path", "video", "video_url"), "video_url", True)
+_KINDS = (IMAGE, VIDEO)
+_TAG_SPLIT = re.compile("(" + "|".join(re.escape(kind.tag) for kind in _KINDS) + ")")
 
 _LLAVA_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 _OPENAI_ROLES = {"system": "system", "user": "user", "assistant": "assistant"}
-_IMAGE_SOURCE_KEYS = ("path", "image", "image_url")
 
-# Marks an image whose path comes from the top-level ``images`` list (a ``<image>`` tag or a bare image part).
-_SLOT = object()
+
+@dataclass(frozen=True)
+class _Slot:
+    """Marks a medium whose path comes from the top-level list of its kind (a tag, or a part without a source);
+    ``fps`` is a video part's own frame rate."""
+
+    kind: _Kind
+    fps: float | None = None
 
 
 class MLLMRecordError(ValueError):
@@ -79,7 +118,8 @@ class MLLMRecordError(ValueError):
         super().__init__(message)
         self.reason = reason
         self.record_id = record_id
-        self.media_path = media_path  # the media file a ``missing_image`` names: its appearing changes the verdict
+        # the file (or frame folder) a ``missing_image`` / ``missing_video`` names: its appearing changes the verdict
+        self.media_path = media_path
 
 
 def read_records(
@@ -142,11 +182,13 @@ def _parse_record(raw: Any, origin: str, image_root, allow_leading_assistant: bo
             f"{origin}: record is neither LLaVA style ('conversations') nor OpenAI style ('messages'); "
             f"keys: {sorted(raw)}"
         )
-    images = [_resolve_image(p, origin, image_root) for p in _top_level_images(raw, origin)]
-    messages = _llava_messages(raw, origin) if has_llava else _openai_messages(raw, origin, image_root)
+    fps = _fps(raw.get("fps"), origin)
+    media = {kind: [_resolve(p, origin, image_root, kind) for p in _top_level(raw, origin, kind)] for kind in _KINDS}
+    messages = _llava_messages(raw, origin) if has_llava else _openai_messages(raw, origin, image_root, fps)
     messages = _with_top_level_system(raw, messages, origin)
     _check_roles(messages, origin, allow_leading_assistant)
-    _fill_slots(messages, images, origin)
+    for kind in reversed(_KINDS):  # unplaced media are prepended: videos first, so images end up before them
+        _fill_slots(messages, kind, media[kind], fps, origin)
     messages = [{"role": m["role"], "content": _merge_text(m["content"])} for m in messages]
     for index, message in enumerate(messages, start=1):
         if all(part["type"] == "text" and not part["text"].strip() for part in message["content"]):
@@ -278,7 +320,7 @@ def _llava_messages(raw: dict, origin: str) -> list[dict]:
     return messages
 
 
-def _openai_messages(raw: dict, origin: str, image_root) -> list[dict]:
+def _openai_messages(raw: dict, origin: str, image_root, fps: float | None) -> list[dict]:
     messages = []
     for where, role, content in _turns(raw, "messages", "role", "content", _OPENAI_ROLES,
                                        "system, user or assistant", origin):
@@ -287,14 +329,14 @@ def _openai_messages(raw: dict, origin: str, image_root) -> list[dict]:
         elif isinstance(content, list):
             parts = []
             for part_index, part in enumerate(content, start=1):
-                parts.extend(_openai_part(part, f"{where}, part {part_index}", image_root))
+                parts.extend(_openai_part(part, f"{where}, part {part_index}", image_root, fps))
         else:
             raise MLLMRecordError(f"{where}: 'content' must be a string or a list of parts, got {_json_type(content)}")
         messages.append({"role": role, "content": parts})
     return messages
 
 
-def _openai_part(part: Any, where: str, image_root) -> list:
+def _openai_part(part: Any, where: str, image_root, record_fps: float | None) -> list:
     if not isinstance(part, dict):
         raise MLLMRecordError(f"{where} is not an object (got {_json_type(part)})")
     kind = part.get("type")
@@ -303,19 +345,22 @@ def _openai_part(part: Any, where: str, image_root) -> list:
         if not isinstance(text, str):
             raise MLLMRecordError(f"{where}: text part needs a string 'text', got {_json_type(text)}")
         return _split_tags(text)
-    if kind in ("image", "image_url"):
-        sources = [key for key in _IMAGE_SOURCE_KEYS if part.get(key) is not None]
-        if not sources:
-            return [_SLOT]
-        if len(sources) > 1:
-            raise MLLMRecordError(f"{where}: image part has several sources {sources}; give one")
-        value = part[sources[0]]
-        if isinstance(value, dict) and sources[0] == "image_url":
-            value = value.get("url")
-        if not isinstance(value, str):
-            raise MLLMRecordError(f"{where}: image {sources[0]!r} must be a path string, got {_json_type(value)}")
-        return [{"type": "image", "path": _resolve_image(value, where, image_root)}]
-    raise MLLMRecordError(f"{where}: unsupported content part type {kind!r} (expected 'text' or 'image')")
+    media = next((media for media in _KINDS if kind in media.part_types), None)
+    if media is None:
+        raise MLLMRecordError(f"{where}: unsupported content part type {kind!r} (expected 'text', 'image' or "
+                              "'video')")
+    fps = (_fps(part.get("fps"), where) or record_fps) if media is VIDEO else None
+    sources = [key for key in media.source_keys if part.get(key) is not None]
+    if not sources:
+        return [_Slot(media, fps)]
+    if len(sources) > 1:
+        raise MLLMRecordError(f"{where}: {media.name} part has several sources {sources}; give one")
+    value = part[sources[0]]
+    if isinstance(value, dict) and sources[0] == media.url_key:
+        value = value.get("url")
+    if not isinstance(value, str):
+        raise MLLMRecordError(f"{where}: {media.name} {sources[0]!r} must be a path string, got {_json_type(value)}")
+    return [_media_part(media, _resolve(value, where, image_root, media), fps)]
 
 
 # --- validation and normalisation --------------------------------------------------------------------------
@@ -364,38 +409,49 @@ def _check_roles(messages: list[dict], origin: str, allow_leading_assistant: boo
         )
 
 
-def _fill_slots(messages: list[dict], images: list[str], origin: str) -> None:
-    """Put the top-level images into their slots, or at the start of the first user turn if nothing is placed."""
-    slots = sum(1 for m in messages for part in m["content"] if part is _SLOT)
-    placed = slots or any(part is not _SLOT and part["type"] == "image" for m in messages for part in m["content"])
-    if not placed and images:
+def _fill_slots(messages: list[dict], kind: _Kind, paths: list[str], fps: float | None, origin: str) -> None:
+    """Put the top-level media of ``kind`` into their slots, or at the start of the first user turn if none of
+    them is placed; ``fps`` is the record's frame rate, for video slots without their own."""
+
+    def is_slot(part) -> bool:
+        return isinstance(part, _Slot) and part.kind is kind
+
+    slots = sum(1 for m in messages for part in m["content"] if is_slot(part))
+    placed = slots or any(not isinstance(part, _Slot) and part["type"] == kind.name
+                          for m in messages for part in m["content"])
+    if not placed and paths:
         first_user = next(m for m in messages if m["role"] == "user")
-        first_user["content"] = [_SLOT] * len(images) + first_user["content"]
-        slots = len(images)
-    if slots < len(images):
+        first_user["content"] = [_Slot(kind)] * len(paths) + first_user["content"]
+        slots = len(paths)
+    name = kind.name
+    if slots < len(paths):
         raise MLLMRecordError(
-            f"{origin}: the record places images but {len(images) - slots} of its {len(images)} top-level image(s) "
-            f"have no {IMAGE_TAG} tag/image slot: {images[slots:]}",
-            "unplaced_image",
+            f"{origin}: the record places {name}s but {len(paths) - slots} of its {len(paths)} top-level {name}(s) "
+            f"have no {kind.tag} tag/{name} slot: {paths[slots:]}",
+            f"unplaced_{name}",
         )
-    if slots > len(images):
-        raise MLLMRecordError(
-            f"{origin}: {slots} {IMAGE_TAG} tag(s)/image slot(s) but {len(images)} image(s) in the record"
-        )
-    queue = iter(images)
+    if slots > len(paths):
+        raise MLLMRecordError(f"{origin}: {slots} {kind.tag} tag(s)/{name} slot(s) but {len(paths)} {name}(s) in the "
+                              "record")
+    queue = iter(paths)
     for message in messages:
-        message["content"] = [
-            {"type": "image", "path": next(queue)} if part is _SLOT else part for part in message["content"]
-        ]
+        message["content"] = [_media_part(kind, next(queue), part.fps or fps) if is_slot(part) else part
+                              for part in message["content"]]
+
+
+def _media_part(kind: _Kind, path: str, fps: float | None) -> dict:
+    """A normalised media part; only a video keeps a frame rate."""
+    part = {"type": kind.name, "path": path}
+    return {**part, "fps": fps} if fps is not None and kind is VIDEO else part
 
 
 def _split_tags(text: str) -> list:
-    pieces = _TAG_SPLIT.split(text)
     parts: list = []
-    for index, piece in enumerate(pieces):
-        if index:
-            parts.append(_SLOT)
-        if piece:
+    for piece in _TAG_SPLIT.split(text):
+        kind = next((kind for kind in _KINDS if piece == kind.tag), None)
+        if kind is not None:
+            parts.append(_Slot(kind))
+        elif piece:
             parts.append({"type": "text", "text": piece})
     return parts
 
@@ -404,45 +460,59 @@ def _merge_text(parts: list) -> list:
     """Adjacent text parts joined, empty ones dropped; image parts and slots kept in place."""
     merged: list = []
     for part in parts:
-        if part is not _SLOT and part["type"] == "text":
+        if not isinstance(part, _Slot) and part["type"] == "text":
             if not part["text"]:
                 continue
-            if merged and merged[-1] is not _SLOT and merged[-1]["type"] == "text":
+            if merged and not isinstance(merged[-1], _Slot) and merged[-1]["type"] == "text":
                 merged[-1] = {"type": "text", "text": merged[-1]["text"] + part["text"]}
                 continue
         merged.append(part)
     return merged
 
 
-def _top_level_images(raw: dict, origin: str) -> list[str]:
-    if "image" in raw and "images" in raw:
-        raise MLLMRecordError(f"{origin}: record has both 'image' and 'images'; use one")
-    if "image" in raw:
-        value = raw["image"]
+def _top_level(raw: dict, origin: str, kind: _Kind) -> list[str]:
+    """The record's top-level paths of ``kind`` (``"image"``: str or ``"images"``: [str]; videos alike)."""
+    one, many = kind.name, f"{kind.name}s"
+    if one in raw and many in raw:
+        raise MLLMRecordError(f"{origin}: record has both {one!r} and {many!r}; use one")
+    if one in raw:
+        value = raw[one]
         if value is None:
             return []
         if not isinstance(value, str):
-            raise MLLMRecordError(f"{origin}: 'image' must be a path string, got {_json_type(value)}")
+            raise MLLMRecordError(f"{origin}: {one!r} must be a path string, got {_json_type(value)}")
         return [value]
-    value = raw.get("images")
+    value = raw.get(many)
     if value is None:
         return []
     if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
-        raise MLLMRecordError(f"{origin}: 'images' must be a list of path strings")
+        raise MLLMRecordError(f"{origin}: {many!r} must be a list of path strings")
     return list(value)
 
 
-def _resolve_image(value: str, where: str, image_root) -> str:
-    """Absolute path of an image reference, checked to exist; ``where`` prefixes the error message."""
+def _fps(value: Any, where: str) -> float | None:
+    """A given frame rate as a float (None when not given); anything but a positive finite number is refused."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise MLLMRecordError(f"{where}: 'fps' must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _resolve(value: str, where: str, image_root, kind: _Kind) -> str:
+    """Absolute path of a media reference, checked to exist; ``where`` prefixes the error message."""
+    name = kind.name
     if value.startswith("file://"):
         value = value[len("file://") :]
     elif re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", value) and not re.match(r"^[A-Za-z]:[\\/]", value):
-        raise MLLMRecordError(f"{where}: image {value[:80]!r} is a URL; only local files are supported", "remote_image")
+        raise MLLMRecordError(f"{where}: {name} {value[:80]!r} is a URL; only local files are supported",
+                              f"remote_{name}")
     if not value:
-        raise MLLMRecordError(f"{where}: empty image path")
+        raise MLLMRecordError(f"{where}: empty {name} path")
     path = os.path.abspath(os.path.join(image_root, value))
-    if not os.path.isfile(path):
-        raise MLLMRecordError(f"{where}: image file not found: {path}", "missing_image", media_path=path)
+    if not kind.exists(path):
+        what = "image file" if kind is IMAGE else "video file or frame folder"
+        raise MLLMRecordError(f"{where}: {what} not found: {path}", f"missing_{name}", media_path=path)
     return path
 
 

@@ -1,0 +1,195 @@
+"""Video in the kit: container metadata without decoding (and the packet-count fallback), frame folders, Qwen2-VL's
+frame sampling and patch layout checked against transformers' own code, and every video fault with its reason."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from pathlib import Path
+from types import SimpleNamespace
+
+import av
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from mvp_engine.engine.testing import (
+    assistant,
+    text,
+    user,
+    video,
+    write_broken_videos,
+    write_frame_folder,
+    write_image,
+    write_video,
+)
+from mvp_engine.kit.mllm.data import (
+    MLLMRecord,
+    MLLMRecordError,
+    QwenVideoProcessor,
+    VideoInfo,
+    load_video_frames,
+    read_video_info,
+)
+from mvp_engine.kit.mllm.data.video import DEFAULT_FRAME_FOLDER_FPS
+
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory) -> dict[str, str]:
+    directory = tmp_path_factory.mktemp("clips")
+    return {"h264": write_video(directory / "a.mp4", 12, 48, 64, 0, fps=6),
+            "mpeg4": write_video(directory / "b.mp4", 9, 30, 40, 1, fps=3, codec="mpeg4"),
+            "webm": write_video(directory / "c.webm", 10, 32, 32, 2, fps=5, codec="libvpx")}
+
+
+def decoded_frames(path: str) -> int:
+    with av.open(path) as container:
+        return sum(1 for _ in container.decode(video=0))
+
+
+@pytest.mark.parametrize("name, frames, fps, size", [("h264", 12, 6, (64, 48)), ("mpeg4", 9, 3, (40, 30)),
+                                                     ("webm", 10, 5, (32, 32))])
+def test_container_metadata_matches_what_decoding_finds(clips, name, frames, fps, size):
+    info = read_video_info(clips[name])
+    assert (info.num_frames, info.fps, (info.width, info.height)) == (frames, fps, size)
+    assert info.num_frames == decoded_frames(clips[name])
+
+
+def test_webm_states_no_frame_count_so_packets_are_counted(clips):
+    with av.open(clips["webm"]) as container:
+        assert container.streams.video[0].frames == 0 and container.streams.video[0].duration is None
+    assert read_video_info(clips["webm"]).num_frames == 10
+
+
+def test_metadata_is_read_without_decoding(tmp_path):
+    """Clips whose frame data is destroyed or cut measure from their headers; only decoding finds the fault."""
+    for reason, path in write_broken_videos(tmp_path).items():
+        if reason == "unreadable_video":
+            continue
+        info = read_video_info(path)
+        assert info.num_frames in (12, 20)
+        with pytest.raises(MLLMRecordError) as err:
+            load_video_frames(info, list(range(0, info.num_frames, 2)))
+        assert err.value.reason == reason and str(err.value).startswith(path)
+
+
+def test_frame_folder_orders_numerically_and_takes_its_fps(tmp_path):
+    folder = Path(write_frame_folder(tmp_path / "frames", 11, 20, 30, seed=0))
+    (folder / "notes.txt").write_text("not a frame")
+    (folder / ".hidden.png").write_bytes(b"")
+    info = read_video_info(folder)
+    assert [Path(f).name for f in info.frame_files] == [f"frame_{i}.png" for i in range(1, 12)]
+    assert (info.num_frames, info.width, info.height, info.fps) == (11, 30, 20, DEFAULT_FRAME_FOLDER_FPS)
+    assert read_video_info(folder, fps=0.5).fps == 0.5
+    first, last = load_video_frames(info, [0, 10])
+    assert first.tobytes() == Image.open(folder / "frame_1.png").convert("RGB").tobytes()
+    assert last.tobytes() == Image.open(folder / "frame_11.png").convert("RGB").tobytes()
+
+
+def test_unreadable_and_missing_videos_fail_at_the_header(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "readme.txt").write_text("no frames here")
+    garbage = write_broken_videos(tmp_path)["unreadable_video"]
+    for path, reason in ((tmp_path / "absent.mp4", "missing_video"), (garbage, "unreadable_video"),
+                         (empty, "unreadable_video")):
+        with pytest.raises(MLLMRecordError) as err:
+            read_video_info(path)
+        assert err.value.reason == reason and str(err.value).startswith(str(path))
+
+
+# ------------------------------------------------------------------------------- transformers' own code as reference
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl_video_processor_class():
+    """transformers' ``Qwen2VLVideoProcessor``, imported with a stub torchvision (its sampling and ``patchify`` use
+    torch only); the stub and the module leave ``sys.modules`` afterwards."""
+    import transformers.video_processing_utils  # noqa: F401  (imported for real before the stub exists)
+
+    names = ["torchvision", "torchvision.transforms", "torchvision.transforms.v2",
+             "torchvision.transforms.v2.functional"]
+    module_name = "transformers.models.qwen2_vl.video_processing_qwen2_vl"
+    with pytest.MonkeyPatch.context() as patch:
+        for name in names:
+            patch.setitem(sys.modules, name, types.ModuleType(name))
+        patch.delitem(sys.modules, module_name, raising=False)
+        yield importlib.import_module(module_name).Qwen2VLVideoProcessor
+        sys.modules.pop(module_name, None)
+
+
+SAMPLING = [  # frames, source fps, fps, min_frames, max_frames
+    (100, 30.0, 2.0, 4, 768), (7, 4.0, 2.0, 4, 16), (300, 29.97, 2.0, 4, 16), (11, 2.0, 2.0, 4, 16),
+    (2, 25.0, 2.0, 4, 768), (1000, 24.0, 0.5, 4, 768), (61, 30.0, 1.0, 8, 12), (5, 1.0, 3.0, 4, 768),
+]
+
+
+@pytest.mark.parametrize("frames, source_fps, fps, min_frames, max_frames", SAMPLING)
+def test_frame_sampling_is_transformers(qwen2_vl_video_processor_class, frames, source_fps, fps, min_frames,
+                                        max_frames):
+    from transformers.video_utils import VideoMetadata
+
+    processor = QwenVideoProcessor(fps=fps, min_frames=min_frames, max_frames=max_frames)
+    settings = SimpleNamespace(num_frames=None, fps=fps, temporal_patch_size=2, min_frames=min_frames,
+                               max_frames=max_frames)
+    reference = qwen2_vl_video_processor_class.sample_frames(settings, VideoMetadata(frames, fps=source_fps))
+    ours = processor.frame_indices(VideoInfo("v", frames, source_fps, 64, 64))
+    assert ours == reference.tolist()
+
+
+def test_a_clip_shorter_than_a_temporal_patch_is_taken_whole():
+    assert QwenVideoProcessor().frame_indices(VideoInfo("v", 1, 30.0, 64, 64)) == [0]
+
+
+@pytest.mark.parametrize("frames", [2, 5])
+def test_patch_layout_is_transformers(qwen2_vl_video_processor_class, frames):
+    video = torch.randn(1, frames, 3, 56, 84)
+    reference, t, h, w = qwen2_vl_video_processor_class.patchify(None, video, 14, 2, 2)
+    ours = QwenVideoProcessor().patchify(video[0].numpy())
+    assert np.array_equal(ours, reference[0].numpy()) and (t, h, w) == (-(-frames // 2), 4, 6)
+
+
+def test_a_still_clip_gives_the_image_processors_pixels(tmp_path):
+    """Two identical frames are what the image processor makes of one image (it repeats it in time): the same
+    grid and, with the same PIL resize, the same values."""
+    picture = write_image(tmp_path / "picture.png", 45, 70, seed=3)
+    folder = tmp_path / "still"
+    folder.mkdir()
+    for name in ("1.png", "2.png"):
+        Image.open(picture).save(folder / name)
+    pixels = dict(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16)
+    media, counts = QwenVideoProcessor(**pixels)([read_video_info(folder)])
+    image = Qwen2VLImageProcessorPil(**pixels)(images=[Image.open(picture).convert("RGB")], return_tensors="pt")
+    assert media["video_grid_thw"].tolist() == image["image_grid_thw"].tolist()
+    assert counts == [int(image["image_grid_thw"].prod()) // 4]
+    assert (media["pixel_values_videos"] - image["pixel_values"]).abs().max() <= 1e-5
+
+
+def test_settings_are_validated_and_round_trip(tmp_path):
+    with pytest.raises(ValueError, match="max_frames=0"):
+        QwenVideoProcessor(max_frames=0)
+    with pytest.raises(ValueError, match="inverted"):
+        QwenVideoProcessor(min_pixels=10_000, max_pixels=100)
+    with pytest.raises(ValueError, match="max_frames=1 is invalid: allowed at least temporal_patch_size=2"):
+        QwenVideoProcessor(min_frames=1, max_frames=1)
+    processor = QwenVideoProcessor(min_pixels=3136, max_pixels=12544, fps=1.5, max_frames=16)
+    processor.save_pretrained(tmp_path)
+    assert QwenVideoProcessor.from_pretrained(tmp_path) == processor
+    assert QwenVideoProcessor.from_pretrained(tmp_path / "absent", fps=3.0) == QwenVideoProcessor(fps=3.0)
+
+
+def test_a_recipe_without_video_hooks_refuses_a_clip_as_a_bad_record(tmp_path):
+    """LLaVA takes no video: a video record is ``unsupported_video`` at measure (and encode), naming the record."""
+    from recipes.llava.encoder import LlavaSampleEncoder
+    from recipes.llava.model import build_processor
+
+    clip = write_video(tmp_path / "clip.mp4", 4, 32, 32, seed=0)
+    record = MLLMRecord("v", "clips.jsonl:3", [user(video(clip), text("What?")), assistant("Noise.")])
+    encoder = LlavaSampleEncoder(build_processor({}))
+    for call in (encoder.measure, encoder.encode):
+        with pytest.raises(MLLMRecordError, match="^clips.jsonl:3: record 'v': message 0 has a video") as err:
+            call(record)
+        assert err.value.reason == "unsupported_video"
