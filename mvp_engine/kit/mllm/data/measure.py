@@ -10,9 +10,9 @@ parallel processes (``datasets.Dataset.map(num_proc=...)``) and its result is ca
   settings, and a ``measure_version`` the encoder bumps when its counting changes),
 * the read settings (``image_root``, ``allow_leading_assistant``) and this module's ``MEASURE_FORMAT``;
 
-and checked against the media files' identity (size and modification time of every image a record names, missing
-ones included): a second start reads the cache, any change measures the source again. An encoder without a
-``fingerprint`` method is measured every time (nothing safe to key a cache on).
+and checked against the media files' identity (size and modification time of every image, video or frame folder
+a record names, missing ones included): a second start reads the cache, any change measures the source again. An
+encoder without a ``fingerprint`` method is measured every time (nothing safe to key a cache on).
 
 Under data parallelism every rank opens the same cache entry under a file lock: the first measures, the others wait
 on the lock (not in a collective, whose timeout is shorter than a cold measure of millions of records) and then read
