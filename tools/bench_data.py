@@ -8,8 +8,8 @@ forces measuring and planning (``dataset.estimate_total_steps(epochs=1, micro_ba
 
 Data: seeded synthetic LLaVA-format JSONL sets written into ``--workdir`` (default: a temporary folder, removed at
 the end) and reused across phases and, with a given ``--workdir``, across runs. Every record is
-``{"id", "image"?, "conversations"}``; English words, lengths in words log-normal: 80 % image QA (question median
-12, answer median 60), 15 % text-only (25 / 120), 4 % multi-turn image chats (2-5 exchanges), 1 % long image
+``{"id", "image"?, "conversations"}``; English words, lengths in words log-normal: 82 % image QA (question median
+12, answer median 60), 15 % text-only (25 / 120), 2 % multi-turn image chats (2-5 exchanges), 1 % long image
 descriptions (median 900 words). Image records name one of ``IMAGES`` real image files (JPEG and PNG, 64..2048
 pixels a side), shared by many records; the encoder reads their headers. A smaller set is the prefix of a larger
 one (records are drawn in seeded chunks).
@@ -27,7 +27,9 @@ fresh ``data.cache_dir``, its warm start on the same one:
    This phase also iterates the greedy ``rank_packs()`` to its end and checks the count against the step estimate.
 
 Per phase: wall time of the start split into store open (``build_dataset``: JSONL converted to Arrow on a cold
-start), measure (``dataset.metas``: measured or read from the cache) and plan; whether the measure cache was hit
+start), measure (``dataset.metas``: measured or read from the cache) and plan; the start's CPU time (measuring
+workers included) and the load average at its end, which tell other work on the two cores (a wall time twice the
+CPU time over two workers) from a slow start; whether the measure cache was hit
 (no file of the cache folder written, lock files aside); peak RSS (``ru_maxrss``, the whole process since it
 started; the measuring workers' own peak separately); RssAnon (``/proc/self/status``: memory-mapped files excluded)
 once the dataset is built, relative to a baseline taken after the imports and the encoder build (fixed costs).
@@ -44,14 +46,17 @@ Targets (issue 10, this 2-core machine), each printed with its measured value an
    logarithmic term (``searchsorted`` over sources) and cache effects of a 10x larger mapped file, plus timing
    noise on a shared machine, fit in 1.5x.
 
-Then two checks (the step estimate equals the packs iterated; every phase of a set planned the same packs) and the
-extrapolation to 10 M records, linear through the two sizes, of cold measuring, the warm start and RssAnon.
+Then three checks (every start after a cold one hit the cache; the step estimate equals the packs iterated; every
+phase of a set planned the same packs) and the extrapolation to 10 M records, linear through the two sizes, of cold
+measuring, the cold and warm start, RssAnon and peak RSS.
 
     python tools/bench_data.py [--sizes 100000 1000000] [--parallel-size 200000] [--workdir DIR] [--skip-1m]
         [--items 2000] [--repeats 3] [--max-seq-len 4096] [--seed 0] [--json PATH]
 
-With no arguments the whole run takes about 15-25 minutes on this machine, most of it measuring 1.5 M records cold
-(the 1 M cold start alone takes several minutes). ``--skip-1m`` uses the parallel size (200 k, already measured)
+With no arguments the whole run takes about an hour on this machine (68 minutes measured, with other tests sharing
+its two cores), most of it measuring 1.5 M records cold: the recipe's encoder costs about 3 ms of CPU a record on
+this mix (the chat template rendered per assistant turn, the text tokenized with offsets), so the 1 M cold start
+alone takes 25-45 minutes on two processes. ``--skip-1m`` uses the parallel size (200 k, already measured)
 as the largest size instead. Progress goes to stderr, the report to stdout, each phase's own output to
 ``<workdir>/logs``. ``main(argv)`` returns what it printed as a dict (used by ``tests/test_bench_data.py``).
 """
@@ -114,7 +119,7 @@ WORDS = np.array((
 
 WORD_LENGTHS = np.char.str_len(WORDS)
 KINDS = ("image QA", "text only", "multi-turn image chat", "long image description")
-KIND_SHARES = (0.80, 0.15, 0.04, 0.01)
+KIND_SHARES = (0.82, 0.15, 0.02, 0.01)
 # (median words, sigma, min, max) of a question and of an answer, per kind
 QUESTION_WORDS = ((12, 0.5, 3, 60), (25, 0.8, 3, 300), (12, 0.5, 3, 60), (10, 0.4, 3, 40))
 ANSWER_WORDS = ((60, 0.9, 1, 800), (120, 1.0, 1, 1500), (50, 0.8, 1, 300), (900, 0.4, 200, 2500))
@@ -150,17 +155,18 @@ def lognormal_words(rng: np.random.Generator, shape: tuple[int, ...], params: tu
 
 
 def chunk_records(chunk: int, count: int, images: list[str], seed: int) -> list[str]:
-    """JSONL lines of records ``chunk * CHUNK`` .. ``+ count`` (the module docstring's mix), seeded per chunk."""
+    """JSONL lines of the first ``count`` records of chunk ``chunk`` (the module docstring's mix): every draw is made
+    for a whole chunk, so a set's records do not depend on its size."""
     rng = np.random.default_rng([seed, DATA_FORMAT, 1, chunk])
     picks = rng.integers(len(WORDS), size=STREAM_WORDS)
     stream = " ".join(WORDS[picks])
     starts = np.concatenate([[0], np.cumsum(WORD_LENGTHS[picks] + 1)])
-    kinds = rng.choice(len(KINDS), size=count, p=KIND_SHARES)
-    turns = np.where(kinds == 2, rng.integers(2, 6, size=count), 1)
-    image = rng.integers(len(images), size=count)
-    questions = {k: lognormal_words(rng, (count, 5), QUESTION_WORDS[k]) for k in range(len(KINDS))}
-    answers = {k: lognormal_words(rng, (count, 5), ANSWER_WORDS[k]) for k in range(len(KINDS))}
-    offsets = rng.integers(0, STREAM_WORDS - 3000, size=(count, 10))
+    kinds = rng.choice(len(KINDS), size=CHUNK, p=KIND_SHARES)
+    turns = np.where(kinds == 2, rng.integers(2, 6, size=CHUNK), 1)
+    image = rng.integers(len(images), size=CHUNK)
+    questions = {k: lognormal_words(rng, (CHUNK, 5), QUESTION_WORDS[k]) for k in range(len(KINDS))}
+    answers = {k: lognormal_words(rng, (CHUNK, 5), ANSWER_WORDS[k]) for k in range(len(KINDS))}
+    offsets = rng.integers(0, STREAM_WORDS - 3000, size=(CHUNK, 10))
 
     def text(words: int, offset: int) -> str:
         return stream[starts[offset]:starts[offset + words] - 1]
@@ -237,8 +243,16 @@ def compose_run(spec: dict, packing: str):
     return resolve_run_specs(cfg, recipe.attention_backends).data, recipe, cfg.model
 
 
+def cpu_seconds() -> float:
+    """User + system time of this process and of its finished children (the measuring workers)."""
+    return sum(usage.ru_utime + usage.ru_stime
+               for usage in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)))
+
+
 def start_dataset(kit, data, encoder) -> tuple[object, dict]:
-    """A start: build the dataset, measure, plan; the wall time of each part."""
+    """A start: build the dataset, measure, plan; the wall time of each part, and the CPU time and load average
+    that tell a slow machine (other work on its cores) from a slow start."""
+    cpu = cpu_seconds()
     started = time.perf_counter()
     dataset = kit.build_dataset(data, encoder)
     opened = time.perf_counter()
@@ -248,7 +262,8 @@ def start_dataset(kit, data, encoder) -> tuple[object, dict]:
     packs = len(dataset)
     planned = time.perf_counter()
     return dataset, {"store_s": opened - started, "measure_s": measured - opened, "plan_s": planned - measured,
-                     "start_s": planned - started, "steps": steps, "packs": packs,
+                     "start_s": planned - started, "cpu_s": cpu_seconds() - cpu, "load_avg": os.getloadavg()[0],
+                     "steps": steps, "packs": packs,
                      "dataset": type(dataset).__name__, "bad_records": dataset.bad_records.count}
 
 
@@ -301,6 +316,8 @@ def phase_main(spec_path: str) -> None:
     """Entry of a phase process: one start (and the per-item measurements of an ``items`` phase) -> result JSON."""
     spec = json.loads(Path(spec_path).read_text())
     began = time.perf_counter()
+    import datasets  # noqa: F401 - the store imports it lazily; an import, not part of opening the store
+
     from mvp_engine.engine.testing import load_recipe
     from mvp_engine.kit.mllm.data import MLLMDataKit
 
@@ -527,6 +544,16 @@ def check_steps(phases: list[dict]) -> dict:
             "line": f"step estimate == packs iterated: {', '.join(parts) or 'not measured'} -> {verdict(ok)}"}
 
 
+def check_cache_hits(phases: list[dict]) -> dict:
+    """Every start after a cold one read the measure cache (a changed encoder or source would measure again)."""
+    later = [p for p in phases if p["kind"] != "cold"]
+    misses = [p["name"] for p in later if "error" in p or not p["cache_hit"]]
+    ok = bool(later) and not misses
+    shown = f"missed: {', '.join(misses)}" if misses else f"{len(later)} of {len(later)}"
+    return {"name": "cache_hits", "ok": ok, "line": f"warm and per-item starts hit the measure cache: {shown} -> "
+                                                     f"{verdict(ok)}"}
+
+
 def check_same_packs(phases: list[dict]) -> dict:
     """Every phase of a set planned the same number of greedy packs (cold, warm, items; any worker count)."""
     by_size: dict[int, set[int]] = {}
@@ -573,7 +600,8 @@ def extrapolation_line(extra: dict, small: int, large: int, to: int = EXTRAPOLAT
 
 
 PHASE_HEADER = (f"{'phase':<18s} {'records':>10s} {'cache':>5s} {'store s':>8s} {'measure s':>10s} {'plan s':>8s} "
-                f"{'start s':>8s} {'packs':>8s} {'steps':>8s} {'peak RSS MiB':>13s} {'RssAnon +MiB':>13s}")
+                f"{'start s':>8s} {'CPU s':>8s} {'load':>5s} {'packs':>8s} {'steps':>8s} {'peak RSS MiB':>13s} "
+                f"{'RssAnon +MiB':>13s}")
 
 
 def format_phase(phase: dict) -> str:
@@ -582,7 +610,8 @@ def format_phase(phase: dict) -> str:
         return f"{head} failed: {phase['error']}"
     cache = "hit" if phase["cache_hit"] else "miss"
     return (f"{head} {cache:>5s} {phase['store_s']:>8.2f} {phase['measure_s']:>10.2f} {phase['plan_s']:>8.2f} "
-            f"{phase['start_s']:>8.2f} {phase['packs']:>8,d} {phase['steps']:>8,d} "
+            f"{phase['start_s']:>8.2f} {phase['cpu_s']:>8.2f} {phase['load_avg']:>5.2f} {phase['packs']:>8,d} "
+            f"{phase['steps']:>8,d} "
             f"{phase['peak_rss_bytes'] / MIB:>13.1f} {phase['anon_growth_bytes'] / MIB:>13.1f}")
 
 
@@ -605,11 +634,14 @@ def format_items(phase: dict) -> list[str]:
 
 def header_lines(args: argparse.Namespace, sets: dict[int, dict]) -> list[str]:
     lines = [f"recipe {RECIPE} encoder (conf/model/qwen2_vl_tiny.yaml), +packing=greedy (conf/packing/greedy.yaml), "
-             f"data.max_seq_len={args.max_seq_len}; each phase a fresh process; start = store open + measure + plan; "
-             f"peak RSS = ru_maxrss of the phase process; RssAnon + = after the build minus after imports and encoder",
+             f"data.max_seq_len={args.max_seq_len}; each phase a fresh process; start = store open + measure + plan "
+             f"(wall), CPU = its CPU time, measuring workers included; load = 1-minute load average at its end (2 "
+             f"cores); peak RSS = ru_maxrss of the phase process; RssAnon + = after the build minus after imports "
+             f"and encoder",
              f"workdir {args.workdir}"]
     for size, info in sorted(sets.items()):
-        lines.append(f"  set {size:,} records: {info['bytes'] / MIB:.1f} MiB JSONL ({info['path']})")
+        lines.append(f"  set {size:,} records: {info['bytes'] / MIB:.1f} MiB JSONL, written or found in "
+                     f"{info['write_s']:.1f} s ({info['path']})")
     return lines
 
 
@@ -622,7 +654,7 @@ def report(args: argparse.Namespace, sets: dict[int, dict], phases: list[dict], 
     targets = [target_warm_speedup(phases, args.parallel_size), target_parallel(phases, args.parallel_size),
                target_warm_start(phases, large), target_peak(phases, large), target_anon(phases, small, large),
                target_items(phases, small, large)]
-    checks = [check_steps(phases), check_same_packs(phases)]
+    checks = [check_cache_hits(phases), check_steps(phases), check_same_packs(phases)]
     extra = extrapolate(phases, small, large)
     lines.append("targets:")
     lines += [f"  {t['line']}" for t in targets]
@@ -668,8 +700,9 @@ def run(args: argparse.Namespace) -> dict:
     images = write_images(data / "images", args.seed)
     sets = {}
     for size in sorted({*args.sizes, args.parallel_size}):
+        begun = time.perf_counter()
         path = write_set(data, size, images, args.seed)
-        sets[size] = {"path": str(path), "bytes": path.stat().st_size}
+        sets[size] = {"path": str(path), "bytes": path.stat().st_size, "write_s": time.perf_counter() - begun}
     phases = [run_phase(phase, Path(sets[phase.size]["path"]), args.workdir, args)
               for phase in plan_phases(args.sizes, args.parallel_size)]
     return report(args, sets, phases, time.perf_counter() - started)
