@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "bench_data.py"
-SMALL, LARGE = 300, 3000  # LARGE is also the parallel size: its phase-1 starts are reused as phase 2's
+SMALL, LARGE = 200, 1000  # LARGE is also the parallel size: its phase-1 starts are reused as phase 2's
 TINY = ["--sizes", str(SMALL), str(LARGE), "--parallel-size", str(LARGE), "--items", "40", "--repeats", "1"]
 MIB, GIB = 2**20, 2**30
 
