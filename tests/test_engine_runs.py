@@ -42,6 +42,15 @@ def test_an_fsdp_launch_on_a_cpu_machine_is_refused_with_one_line(monkeypatch, t
         run_recipe(cfg, kit.load_recipe("llava"))
 
 
+def test_every_way_out_of_a_run_tears_the_process_group_down(monkeypatch, tmp_path):
+    """A gloo group left to interpreter finalisation can abort a rank after a run that succeeded."""
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    cfg = kit.compose_config("llava", [f"train.output_dir={tmp_path}", "train.seed=-3"])
+    with pytest.raises(SystemExit, match="config error"):
+        run_recipe(cfg, kit.load_recipe("llava"))
+    assert not torch.distributed.is_initialized()
+
+
 @pytest.mark.gpu
 def test_fsdp2_trains_on_cuda(tmp_path):
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONF / "accelerate" / "fsdp2.yaml"),

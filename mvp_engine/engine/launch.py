@@ -37,6 +37,13 @@ def build_accelerator(mixed_precision: str) -> Accelerator:
     return Accelerator(cpu=not cuda, mixed_precision=mixed_precision)
 
 
+def end_processes() -> None:
+    """Tear the process group down before the interpreter does: a gloo group left to interpreter finalisation
+    can abort the process (``terminate called without an active exception``) after a run that succeeded."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def describe_processes(accelerator: Accelerator) -> str:
     """The line every run prints at start: how many processes really train, and over what."""
     backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else "none (single process)"

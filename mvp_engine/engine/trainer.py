@@ -31,7 +31,7 @@ from mvp_engine.kit.mllm.data.steps import micro_batches_per_rank
 
 from .checkpoint import Checkpointer, RunState, load_run_state, resolve_resume
 from .config import CONF_DIR, ConfigError, RunSpecs, data_with_sources, resolve_run_specs
-from .launch import build_accelerator, describe_processes
+from .launch import build_accelerator, describe_processes, end_processes
 from .loss import token_weights, weighted_token_loss
 from .participation import dummy_media_loss, freeze_parameters, has_media
 from .preemption import PreemptionWatch, ignore_stop_signals
@@ -359,17 +359,17 @@ class Trainer:
 
 
 def run_recipe(cfg: DictConfig, recipe: Recipe) -> dict:
-    """Hydra entry body of every recipe: a bad config stops the run with one line naming the key."""
+    """Hydra entry body of every recipe: a bad config stops the run with one line naming the key; the process
+    group is torn down on every way out."""
     try:
         trainer = Trainer(cfg, recipe)
+        return trainer.run()
     except ConfigError as err:
         raise SystemExit(f"config error: {err}") from None
-    except (MLLMRecordError, TooManyBadRecords) as err:
+    except (MLLMRecordError, TooManyBadRecords) as err:  # while planning, or while decoding (all ranks at one step)
         raise SystemExit(f"data error: {err}") from None
-    try:
-        return trainer.run()
-    except TooManyBadRecords as err:  # found while decoding; every rank stops here at the same step
-        raise SystemExit(f"data error: {err}") from None
+    finally:
+        end_processes()
 
 
 def hydra_main(recipe: Recipe):
