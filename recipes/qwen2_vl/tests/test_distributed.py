@@ -1,8 +1,9 @@
 """2-process gloo training of qwen2_vl equals 1-process accumulation, text-only and uneven micro-batches included
-(the kit's ``DistributedSuite``)."""
+(the kit's ``DistributedSuite``; llava's suite covers the other loss reductions)."""
 
 from mvp_engine.engine.testkit.suites import DistributedSuite
 
 
 class TestDistributed(DistributedSuite):
     recipe = "qwen2_vl"
+    reductions = ("square",)  # bfd packs with images; llava runs every reduction
