@@ -20,7 +20,7 @@ train-demo: $(STAMP)
 	$(PY) -m recipes.qwen2_vl.train +packing=greedy
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
