@@ -32,7 +32,8 @@ class FakeEncoder:
                                   record_id=record.record_id)
         # every other token is supervised from index 1 (see encode)
         return SampleMeta(length=length, num_media=media, media_end=min(length, 4 * media),
-                          first_supervised=1 if length > 1 else length)
+                          first_supervised=1 if length > 1 else length, media_tokens=min(length, 4 * media),
+                          media_sq=16 * media)
 
     def encode(self, record: MLLMRecord) -> MLLMSample:
         meta = self.measure(record)
@@ -50,4 +51,5 @@ class FakeEncoder:
                 "image_grid_thw": torch.tensor([[1, 2, 2]] * meta.num_media),
             }
         return MLLMSample(input_ids=input_ids, labels=labels, sample_id=record.record_id, media=media,
-                          num_media=meta.num_media, media_tokens=meta.media_end, media_end=meta.media_end)
+                          num_media=meta.num_media, media_tokens=meta.media_tokens, media_end=meta.media_end,
+                          media_sq=meta.media_sq)

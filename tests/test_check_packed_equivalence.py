@@ -55,3 +55,11 @@ def test_a_backend_this_machine_cannot_run_exits_2(capsys):
         return
     assert _tool().main(["--recipe", "llava", "--attention", "flash_attention_2"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_withheld_linear_attention_boundaries_fail_with_exit_code_1(capsys):
+    """A hybrid model (Qwen3.5) without its linear-attention boundaries: the report shows the leak."""
+    assert _tool().main(["--recipe", "qwen3_5", "--attention", "sdpa", "--withhold-linear-boundaries"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    worst = next(float(line.split()[-1]) for line in lines if line.startswith("  max logit diff"))
+    assert lines[-1].strip().startswith("FAILED") and worst > 1e-2

@@ -120,3 +120,26 @@ def test_cli_writes_the_dataset(tmp_path: Path) -> None:
     )
     assert str(tmp_path / "demo.jsonl") in result.stdout
     assert len(list(read_records(tmp_path / "demo.jsonl"))) == 12
+
+
+def test_videos_add_reproducible_clips_that_decode_as_their_headers_say(tmp_path: Path) -> None:
+    """``videos=True``: ~5% LLaVA-Video records with H.264 clips, byte-identical for a seed, each decoding to the
+    frame count its header states; the same folder asked again without videos is regenerated without them."""
+    import av
+
+    from mvp_engine.kit.mllm.data.video import read_video_info
+
+    path = write_demo_dataset(tmp_path / "a", num_samples=40, seed=0, videos=True)
+    assert snapshot(path.parent) == snapshot(write_demo_dataset(tmp_path / "b", 40, 0, videos=True).parent)
+    clips = [clip for record in read_records(path) for clip in record.video_paths]
+    assert len(clips) == demo_kind_counts(40, videos=True)["video"] == 2
+    assert sorted(str(Path(c).relative_to(path.parent)) for c in clips) == \
+        json.loads((path.parent / MANIFEST_NAME).read_text())["videos"]
+    for clip in clips:
+        info = read_video_info(clip)
+        with av.open(clip) as container:
+            assert sum(1 for _ in container.decode(video=0)) == info.num_frames >= 8
+    write_demo_dataset(tmp_path / "a", num_samples=40, seed=0)
+    assert "videos" not in json.loads((path.parent / MANIFEST_NAME).read_text())
+    assert not list((path.parent / "videos").glob("*.mp4"))
+    assert not any(record.video_paths for record in read_records(path))

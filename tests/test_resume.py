@@ -7,6 +7,7 @@ processes (torchrun, gloo), greedy (streaming dataset) and bfd (map-style datase
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import time
@@ -71,6 +72,20 @@ def test_resume_from_a_checkpoint_reproduces_the_rest_of_the_run(references, dat
     summary, full = kit.read_summary(tmp_path), kit.read_summary(reference)
     assert summary["losses"] == full["losses"] and summary["totals"] == full["totals"]
     assert kit.max_weight_difference(kit.final_weights(tmp_path), kit.final_weights(reference)) == 0
+
+
+def test_a_compute_balanced_epoch_trains_the_same_samples_and_times_each_ranks_wait(references, data, tmp_path):
+    """``packing.balance=compute`` over a streamed (greedy) plan on 2 ranks with ``train.time_barrier=true``: the same
+    samples and step count as the round-robin run, each rank's compute and barrier wait logged every step (resuming a
+    balanced epoch mid-way: ``tests/test_balance.py``, through the same ``starting_at``)."""
+    kit.launch(RECIPE, tmp_path, [*common(data, "greedy"), "train.epochs=1", "packing.balance=compute",
+                                  "packing.balance_window=2", "train.time_barrier=true"], nproc=2)
+    raw = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(len(m["compute_ms"]) == 2 and len(m["barrier_wait_ms"]) == 2 for m in raw)
+    summary, plain = kit.read_summary(tmp_path), kit.read_summary(references(2, "greedy"))
+    assert summary["barrier_timing"]["steps"] == len(raw) == summary["actual_steps"] == summary["estimated_steps"]
+    assert summary["epochs"][0] == plain["epochs"][0]  # every record trained, dropped or bad exactly as round-robin
+    assert len(raw) == len([m for m in kit.read_metrics(references(2, "greedy")) if m["epoch"] == 0])
 
 
 def wait_for(predicate, proc, timeout: float = 240) -> None:

@@ -79,6 +79,8 @@ def test_pack_report_cli_writes_json_and_png_of_the_computed_numbers(demo_dir, t
     args = overrides(demo_dir, "greedy", f"+report.out_dir={tmp_path / 'report'}")
     stdout = run_tool("pack_report.py", [*args, f"hydra.run.dir={tmp_path / 'run'}"])
     assert "lower bound" in stdout and "padding ratio" in stdout and "estimated optimizer steps" in stdout
+    assert "cost per pack" in stdout and "cost per rank" in stdout and "at 8 simulated ranks" in stdout
+    assert "balance none:" in stdout and "balance compute:" in stdout
     written = json.loads((tmp_path / "report" / JSON_NAME).read_text())
     assert (tmp_path / "report" / PNG_NAME).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert written == json.loads(json.dumps(compute_pack_report(compose_config(RECIPE_NAME, args))))
@@ -125,6 +127,23 @@ def test_report_numbers_reconcile_with_the_plan(demo_dir, packing):
         assert report["packs"] == report["admitted_samples"] and report["samples_per_pack"]["max"] == 1
     else:
         assert report["samples_per_pack"]["mean"] > 1
+
+
+def test_report_shows_cost_and_the_imbalance_before_and_after_balancing(demo_dir):
+    """``+packing=bfd packing.balance=compute``: the plan served is the balanced one, the costs add up, and the
+    imbalance at simulated ranks (one pack per rank per step: only grouping packs into steps can help) falls."""
+    cfg = compose_config(RECIPE_NAME, overrides(demo_dir, "bfd", "packing.balance=compute", "train.micro_batch_size=1",
+                                                "+report.world_size=2", "+report.balance_ranks=3"))
+    report = compute_pack_report(cfg)
+    cost = report["cost"]
+    assert cost["balance"]["configured"] == "compute" and cost["balance"]["none"]["world_size"] == 3
+    assert sum(cost["per_rank"]["values"]) == pytest.approx(cost["per_pack"]["total"])
+    assert cost["per_pack"]["total"] == pytest.approx(report["packs"] * cost["per_pack"]["mean"])
+    none, balanced = cost["balance"]["none"], cost["balance"]["compute"]
+    assert none["full_steps"] == balanced["full_steps"] == report["packs"] // 3 > 1
+    assert balanced["mean"] < none["mean"] and balanced["p95"] <= none["p95"]
+    plain = compose_config(RECIPE_NAME, overrides(demo_dir, "bfd", "train.micro_batch_size=1"))
+    assert report["packs"] == len(reference_dataset(plain, world_size=2)[0].plan(0).packs)
 
 
 def test_tools_never_encode_a_sample(demo_dir, monkeypatch):
@@ -210,3 +229,6 @@ def test_estimate_and_report_equal_a_real_run(demo_dir, tmp_path):
                                 ("attention_work", "attention_work"), ("dense_attention_work", "dense_attention_work")):
         assert totals[run_key] == batching[report_key], run_key
     assert totals["padding_ratio"] == pytest.approx(batching["padding_ratio"])
+    # the useful FLOPs the run counted from its batches are the planner's per-pack costs (metadata only)
+    assert totals["model_flops"] == pytest.approx(report["cost"]["per_pack"]["total"], rel=1e-12)
+    assert totals["executed_flops"] >= totals["model_flops"] and summary["flops"]["tflops_per_s"] > 0

@@ -1,9 +1,12 @@
 """Video in the kit: container metadata without decoding (and the packet-count fallback), frame folders, Qwen2-VL's
-frame sampling and patch layout checked against transformers' own code, and every video fault with its reason."""
+and Qwen3-VL's frame sampling, sizes, timestamps and patch layout checked against transformers' own code, and every
+video fault with its reason."""
 
 from __future__ import annotations
 
 import importlib
+import json
+import math
 import sys
 import types
 from pathlib import Path
@@ -29,6 +32,7 @@ from mvp_engine.engine.testing import (
 from mvp_engine.kit.mllm.data import (
     MLLMRecord,
     MLLMRecordError,
+    Qwen3VideoProcessor,
     QwenVideoProcessor,
     VideoInfo,
     load_video_frames,
@@ -193,3 +197,61 @@ def test_a_recipe_without_video_hooks_refuses_a_clip_as_a_bad_record(tmp_path):
         with pytest.raises(MLLMRecordError, match="^clips.jsonl:3: record 'v': message 0 has a video") as err:
             call(record)
         assert err.value.reason == "unsupported_video"
+
+
+# ----------------------------------------------------------------------- Qwen3-VL / Qwen3.5: Qwen3VideoProcessor
+
+
+def qwen3_reference(processor: Qwen3VideoProcessor):
+    """transformers' ``Qwen3VLVideoProcessor`` with the same settings (it imports and runs its sampling, sizing and
+    ``patchify`` without torchvision; only its resize needs it)."""
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    return Qwen3VLVideoProcessor(fps=processor.fps, min_frames=processor.min_frames, max_frames=processor.max_frames,
+                                 size={"shortest_edge": processor.min_pixels, "longest_edge": processor.max_pixels})
+
+
+QWEN3_CLIPS = [  # frames, source fps, fps, min_frames, max_frames, height, width
+    (100, 30.0, 2.0, 4, 768, 48, 64), (7, 4.0, 2.0, 4, 16, 90, 40), (300, 29.97, 2.0, 4, 16, 360, 640),
+    (11, 2.0, 2.0, 4, 16, 30, 50), (3, 25.0, 2.0, 4, 768, 20, 300), (1000, 24.0, 0.5, 4, 768, 1080, 1920),
+    (61, 30.0, 1.0, 8, 12, 64, 64), (5, 1.0, 3.0, 4, 768, 100, 20),
+]
+
+
+@pytest.mark.parametrize("frames, source_fps, fps, min_frames, max_frames, height, width", QWEN3_CLIPS)
+def test_qwen3_sampling_grid_and_timestamps_are_transformers(frames, source_fps, fps, min_frames, max_frames, height,
+                                                              width):
+    """Frame indices (``sample_frames``), patch count (``get_num_of_video_patches``) and the text's timestamps
+    (``Qwen3VLProcessor._calculate_timestamps``) as transformers computes them, from metadata alone."""
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+    from transformers.video_utils import VideoMetadata
+
+    ours = Qwen3VideoProcessor(min_pixels=32 * 32 * 8, max_pixels=32 * 32 * 2 * 64, fps=fps, min_frames=min_frames,
+                               max_frames=max_frames)
+    reference = qwen3_reference(ours)
+    info = VideoInfo("v", frames, source_fps, width, height)
+    indices = reference.sample_frames(VideoMetadata(frames, fps=source_fps)).tolist()
+    assert ours.frame_indices(info) == indices
+    assert math.prod(ours.grid_thw(info)) == reference.get_num_of_video_patches(len(indices), height, width)
+    assert ours.timestamps(info) == Qwen3VLProcessor._calculate_timestamps(None, indices, source_fps, 2)
+
+
+def test_qwen3_refuses_a_clip_of_one_sampled_frame_as_transformers_does():
+    with pytest.raises(ValueError, match="must be larger than temporal_factor"):
+        Qwen3VideoProcessor().token_count(VideoInfo("v", 1, 30.0, 64, 64))
+
+
+@pytest.mark.parametrize("frames", [2, 5])
+def test_qwen3_patch_layout_is_transformers(frames):
+    video = torch.randn(1, frames, 3, 64, 96)
+    reference, t, h, w = qwen3_reference(Qwen3VideoProcessor()).patchify(video, 16, 2, 2)
+    assert np.array_equal(Qwen3VideoProcessor().patchify(video[0].numpy()), reference[0].numpy())
+    assert (t, h, w) == (-(-frames // 2), 4, 6)
+
+
+def test_qwen3_settings_round_trip_under_their_own_type(tmp_path):
+    processor = Qwen3VideoProcessor(min_pixels=8192, max_pixels=131072, fps=1.5, max_frames=16)
+    processor.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "video_preprocessor_config.json").read_text())["video_processor_type"] == \
+        "Qwen3VLVideoProcessor"
+    assert Qwen3VideoProcessor.from_pretrained(tmp_path) == processor

@@ -8,8 +8,10 @@ general English), extended with the model family's special tokens and chat templ
 Running the script twice gives byte-identical files (tested): the corpus is enumerated in a fixed order, BPE
 training is deterministic for a fixed corpus, and JSON is written with sorted keys.
 
-One function per tokenizer in ``BUILDERS`` (``build_qwen2_vl``: byte-level BPE; ``build_llava``: Llama-style
-SentencePiece BPE with byte fallback), all on the shared ``corpus()`` and ``train_bpe()``.
+One function per tokenizer in ``BUILDERS`` (``build_qwen2_vl`` and ``build_qwen3_vl``: one Qwen2 byte-level BPE,
+``build_qwen2_bpe``, each with its family's chat template; ``build_qwen3_5``: the same on Qwen3.5's tokenizer;
+``build_llava``: Llama-style SentencePiece BPE with byte fallback), all on the shared ``corpus()`` and
+``train_bpe()``.
 
     python tools/build_tokenizer_assets.py                 # all tokenizers into assets/tokenizers/<name>/
     python tools/build_tokenizer_assets.py --only qwen2_vl --out /tmp/tok
@@ -170,8 +172,10 @@ def _canonicalise_json(directory: Path) -> None:
         path.write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-# ---------------------------------------------------------------------------------------------------- Qwen2-VL
+# ------------------------------------------------------------------------------------------ Qwen2-VL, Qwen3-VL
 
+# The special tokens of every Qwen vision-language family (their ids differ from the real ones; the tiny configs
+# take them from the tokenizer).
 QWEN2_VL_SPECIAL_TOKENS = [
     "<|endoftext|>",
     "<|im_start|>",
@@ -204,23 +208,132 @@ QWEN2_VL_CHAT_TEMPLATE = (
 )
 
 
-def build_qwen2_vl(out_dir: Path, vocab_size: int = 3000) -> None:
-    """Qwen2 byte-level BPE (Qwen2's own split regex and NFC), Qwen2-VL special tokens and chat template."""
+# Qwen3-VL-Instruct's chat template: no default system prompt, a system turn's text parts only, tool calls and tool
+# responses as Qwen3 writes them. A video part renders as <|vision_start|><|video_pad|><|vision_end|>, which the
+# processor (or sample encoder) replaces whole by one "<t seconds><|vision_start|><|video_pad|>*n<|vision_end|>" run
+# per temporal patch.
+QWEN3_VL_CHAT_TEMPLATE = r"""{%- macro render_parts(content) %}
+    {%- for part in content %}
+        {%- if part.type == 'image' or 'image' in part or 'image_url' in part %}
+            {%- set image_count.value = image_count.value + 1 %}
+            {%- if add_vision_id %}Picture {{ image_count.value }}: {% endif -%}
+            <|vision_start|><|image_pad|><|vision_end|>
+        {%- elif part.type == 'video' or 'video' in part %}
+            {%- set video_count.value = video_count.value + 1 %}
+            {%- if add_vision_id %}Video {{ video_count.value }}: {% endif -%}
+            <|vision_start|><|video_pad|><|vision_end|>
+        {%- elif 'text' in part %}
+            {{- part.text }}
+        {%- endif %}
+    {%- endfor %}
+{%- endmacro %}
+{%- macro render_text(content) %}
+    {%- if content is string %}
+        {{- content }}
+    {%- else %}
+        {%- for part in content %}{%- if 'text' in part %}{{- part.text }}{%- endif %}{%- endfor %}
+    {%- endif %}
+{%- endmacro %}
+{%- set image_count = namespace(value=0) %}
+{%- set video_count = namespace(value=0) %}
+{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- render_text(messages[0].content) }}
+        {{- '\n\n' }}
+    {%- endif %}
+    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n" }}
+    {{- "You are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}{{- "\n" }}{{- tool | tojson }}{%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within " }}
+    {{- "<tool_call></tool_call> XML tags:\n<tool_call>\n" }}
+    {{- '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n' }}
+{%- elif messages[0].role == 'system' %}
+    {{- '<|im_start|>system\n' }}
+    {{- render_text(messages[0].content) }}
+    {{- '<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.role == 'user' %}
+        {{- '<|im_start|>' + message.role + '\n' }}
+        {%- if message.content is string %}
+            {{- message.content }}
+        {%- else %}
+            {{- render_parts(message.content) }}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == 'assistant' %}
+        {{- '<|im_start|>' + message.role + '\n' }}
+        {{- render_text(message.content) }}
+        {%- for tool_call in message.tool_calls or [] %}
+            {%- if (loop.first and message.content) or (not loop.first) %}{{- '\n' }}{%- endif %}
+            {%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}
+            {{- '<tool_call>\n{"name": "' }}{{- tool_call.name }}{{- '", "arguments": ' }}
+            {%- if tool_call.arguments is string %}
+                {{- tool_call.arguments }}
+            {%- else %}
+                {{- tool_call.arguments | tojson }}
+            {%- endif %}
+            {{- '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == 'tool' %}
+        {%- if loop.first or (messages[loop.index0 - 1].role != 'tool') %}{{- '<|im_start|>user' }}{%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {%- if message.content is string %}
+            {{- message.content }}
+        {%- else %}
+            {{- render_parts(message.content) }}
+        {%- endif %}
+        {{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != 'tool') %}{{- '<|im_end|>\n' }}{%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
+"""
+
+
+def build_qwen2_bpe(out_dir: Path, chat_template: str, vocab_size: int = 3000, tokenizer_cls=None,
+                    split_regex: str | None = None) -> None:
+    """Qwen2 byte-level BPE (Qwen2's own split regex and NFC; Qwen3 tokenises alike), the Qwen vision-language
+    special tokens and ``chat_template``; ``tokenizer_cls`` / ``split_regex`` replace Qwen2's (Qwen3.5)."""
     from transformers import AddedToken
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX, Qwen2Tokenizer
 
     pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.Split(Regex(split_regex or PRETOKENIZE_REGEX), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     vocab, merges = train_byte_level_bpe(QWEN2_VL_SPECIAL_TOKENS, vocab_size, pre_tokenizer, normalizers.NFC())
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=32768, errors="replace")
+    tokenizer = (tokenizer_cls or Qwen2Tokenizer)(vocab=vocab, merges=merges, model_max_length=32768, errors="replace")
     tokenizer.backend_tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens(
         {"additional_special_tokens": [AddedToken(t, special=True) for t in QWEN2_VL_SPECIAL_TOKENS[1:]]}
     )
-    tokenizer.chat_template = QWEN2_VL_CHAT_TEMPLATE
+    tokenizer.chat_template = chat_template
     _save(tokenizer, out_dir)
+
+
+def build_qwen2_vl(out_dir: Path) -> None:
+    """The Qwen2 BPE with Qwen2-VL-Instruct's chat template."""
+    build_qwen2_bpe(out_dir, QWEN2_VL_CHAT_TEMPLATE)
+
+
+def build_qwen3_vl(out_dir: Path) -> None:
+    """The Qwen2 BPE (Qwen3-VL keeps Qwen2's tokenizer) with Qwen3-VL-Instruct's chat template."""
+    build_qwen2_bpe(out_dir, QWEN3_VL_CHAT_TEMPLATE)
+
+
+# ----------------------------------------------------------------------------------------------------- Qwen3.5
+
+
+def build_qwen3_5(out_dir: Path) -> None:
+    """The same BPE on Qwen3.5's own tokenizer (``Qwen3_5Tokenizer``: its split regex keeps digits single), with
+    Qwen3-VL's chat template: Qwen3.5's adds a thinking block only around reasoning content, which the training
+    records here do not carry."""
+    from transformers.models.qwen3_5.tokenization_qwen3_5 import PRETOKENIZE_REGEX, Qwen3_5Tokenizer
+
+    build_qwen2_bpe(out_dir, QWEN3_VL_CHAT_TEMPLATE, tokenizer_cls=Qwen3_5Tokenizer, split_regex=PRETOKENIZE_REGEX)
 
 
 # ------------------------------------------------------------------------------------------------------- LLaVA
@@ -273,7 +386,8 @@ def _save(tokenizer, out_dir: Path) -> None:
             (out_dir / path.name).write_bytes(path.read_bytes())
 
 
-BUILDERS: dict[str, Callable[[Path], None]] = {"qwen2_vl": build_qwen2_vl, "llava": build_llava}
+BUILDERS: dict[str, Callable[[Path], None]] = {"qwen2_vl": build_qwen2_vl, "llava": build_llava,
+                                                "qwen3_5": build_qwen3_5, "qwen3_vl": build_qwen3_vl}
 
 
 def main(argv: list[str] | None = None) -> None:

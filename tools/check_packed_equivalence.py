@@ -8,6 +8,10 @@ exits 1 when anything is over the tolerance (1e-5 in fp32), 2 when this machine 
 
     python tools/check_packed_equivalence.py --recipe llava --attention flex_attention
     python tools/check_packed_equivalence.py --recipe qwen2_vl --attention eager
+    python tools/check_packed_equivalence.py --recipe qwen3_5 --attention sdpa --withhold-linear-boundaries
+
+``--withhold-linear-boundaries`` (hybrid models, Qwen3.5) runs the recipe's hook without the linear-attention
+boundaries: the report must then FAIL (exit 1) with logit differences over 1e-2, showing what the check catches.
 """
 
 from __future__ import annotations
@@ -21,7 +25,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mvp_engine.engine.config import ATTENTION_BACKENDS, ConfigError, check_attention  # noqa: E402
-from mvp_engine.engine.testing import equivalence_case, load_recipe, run_equivalence  # noqa: E402
+from mvp_engine.engine.testing import (  # noqa: E402
+    equivalence_case,
+    load_recipe,
+    run_equivalence,
+    without_linear_boundaries,
+)
 
 
 def main(argv: list[str] | None = None, prepare_packed: Callable | None = None) -> int:
@@ -30,8 +39,12 @@ def main(argv: list[str] | None = None, prepare_packed: Callable | None = None) 
     parser.add_argument("--recipe", required=True, help="recipes/<name>")
     parser.add_argument("--attention", default="sdpa", choices=ATTENTION_BACKENDS)
     parser.add_argument("--tol", type=float, default=None, help="default: 1e-5 in fp32 (3e-2 for bf16 flash)")
+    parser.add_argument("--withhold-linear-boundaries", action="store_true",
+                        help="drop the linear-attention boundaries (hybrid models): the check must fail")
     args = parser.parse_args(argv)
     recipe = load_recipe(args.recipe)
+    if args.withhold_linear_boundaries:
+        prepare_packed = without_linear_boundaries(prepare_packed or recipe.prepare_packed)
     try:
         check_attention(args.attention, recipe.attention_backends, training=False)
     except ConfigError as err:

@@ -17,6 +17,14 @@ collated width is the longest pack of each micro-batch rounded up to ``train.pad
 (``dataset.estimate_total_steps``). Micro-batches are cut from each rank's packs in order, as a ``DataLoader``
 with ``train.num_workers=0`` cuts them.
 
+Compute, from the cost model (``mvp_engine.engine.flops``: the recipe's model built on the meta device, no weights):
+useful forward + backward FLOPs per pack and per rank, and the per-step imbalance (largest per-rank cost / mean
+per-rank cost: mean and 95th percentile over the epoch's full steps, the partial tail step apart) with
+``packing.balance`` none and compute, at ``report.balance_ranks`` simulated ranks (default: the world size, 8 when
+that is 1) and the run's micro-batch size x gradient accumulation packs per rank per step:
+
+    python tools/pack_report.py +packing=bfd packing.balance=compute
+
 Settings of this tool live under ``report.*`` (``conf/report/default.yaml``, ``ReportSpec`` below); they are
 not in the recipe's defaults, so set them with ``+report.KEY=VALUE``. ``compute_pack_report(cfg)`` returns the
 numbers as a dict for tests and other tools; printing and plotting only format that dict.
@@ -49,9 +57,18 @@ from mvp_engine.engine.config import (  # noqa: E402
     data_with_sources,
     resolve_run_specs,
 )
+from mvp_engine.engine.flops import planning_cost_profile  # noqa: E402
 from mvp_engine.engine.recipe import Recipe  # noqa: E402
 from mvp_engine.engine.testing import load_recipe  # noqa: E402
-from mvp_engine.kit.mllm.data import MLLMCollator, MLLMDataKit, micro_batches_per_rank  # noqa: E402
+from mvp_engine.kit.mllm.data import (  # noqa: E402
+    CostProfile,
+    MLLMCollator,
+    MLLMDataKit,
+    balanced_order,
+    imbalance_summary,
+    micro_batches_per_rank,
+)
+from mvp_engine.kit.mllm.data.balance import balance_rng  # noqa: E402
 
 REPORT_DEFAULTS = REPO_ROOT / "conf" / "report" / "default.yaml"
 JSON_NAME = "report.json"
@@ -69,6 +86,7 @@ class ReportSpec:
     world_size: int | None = None
     recipe: str | None = None
     bins: int = 20
+    balance_ranks: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.epoch, int) or self.epoch < 0:
@@ -77,6 +95,8 @@ class ReportSpec:
             raise ConfigError(f"report.world_size={self.world_size!r} is invalid: allowed null or an int >= 1")
         if not isinstance(self.bins, int) or self.bins < 1:
             raise ConfigError(f"report.bins={self.bins!r} is invalid: allowed an int >= 1")
+        if self.balance_ranks is not None and (not isinstance(self.balance_ranks, int) or self.balance_ranks < 1):
+            raise ConfigError(f"report.balance_ranks={self.balance_ranks!r} is invalid: allowed null or an int >= 1")
 
 
 @dataclass
@@ -87,6 +107,7 @@ class Planning:
     specs: RunSpecs
     dataset: Any  # MLLMPackedDataset | MLLMStreamingPackedDataset
     world_size: int
+    cost_profile: CostProfile
 
 
 # --- configuration -------------------------------------------------------------------------------------------
@@ -130,9 +151,13 @@ def build_planning_dataset(cfg: DictConfig, recipe: str, world_size: int = 1) ->
     specs = resolve_run_specs(cfg, loaded.attention_backends)
     encoder = loaded.build_encoder(loaded.build_processor(cfg.model))
     data = data_with_sources(specs)
-    dataset = MLLMDataKit.build_dataset(data, encoder, rank=0, world_size=world_size,
-                                        drop_last=specs.train.drop_last)
-    return Planning(recipe=loaded, specs=specs, dataset=dataset, world_size=world_size)
+    profile = planning_cost_profile(loaded, cfg.model)
+    train = specs.train
+    dataset = MLLMDataKit.build_dataset(data, encoder, rank=0, world_size=world_size, drop_last=train.drop_last,
+                                        micro_batch_size=train.micro_batch_size,
+                                        gradient_accumulation_steps=train.gradient_accumulation_steps,
+                                        cost_profile=profile)
+    return Planning(recipe=loaded, specs=specs, dataset=dataset, world_size=world_size, cost_profile=profile)
 
 
 # --- numbers -------------------------------------------------------------------------------------------------
@@ -205,7 +230,31 @@ def batch_accounting(dataset, epoch: int, train: TrainSpec) -> dict:
     }
 
 
-def describe_plan(planning: Planning, epoch: int = 0, bins: int = 20) -> dict:
+def compute_costs(dataset, epoch: int, balance_ranks: int) -> dict:
+    """Useful FLOPs per pack and per rank of the plan as it will run, and the per-step imbalance at
+    ``balance_ranks`` simulated ranks with ``packing.balance`` none (the planner's order, round-robin) and compute."""
+    packs = list(dataset.plan(epoch).packs)
+    costs = dataset.pack_costs(packs)
+    per_rank = [float(costs[rank::dataset.world_size].sum()) for rank in range(dataset.world_size)]
+    planned = list(dataset._groups(epoch))  # the planner's own order: what balance none serves
+    layout = dataset.step_layout(len(planned), balance_ranks)
+    balanced = list(balanced_order(planned, layout, dataset.pack_costs, dataset.packing_spec.balance_window,
+                                   balance_rng(dataset.packing_spec.seed, epoch)))
+    return {
+        "unit": "useful forward + backward FLOPs (cost model of the recipe's model, mvp_engine.engine.flops)",
+        "per_pack": {**_stats(costs.tolist()), "total": float(costs.sum())},
+        "per_rank": {"world_size": dataset.world_size, "values": per_rank,
+                     "max_over_mean": max(per_rank) / (sum(per_rank) / len(per_rank)) if sum(per_rank) else None},
+        "balance": {
+            "configured": dataset.packing_spec.balance,
+            "window_steps": dataset.packing_spec.balance_window,
+            "none": imbalance_summary(dataset.pack_costs(planned), layout),
+            "compute": imbalance_summary(dataset.pack_costs(balanced), layout),
+        },
+    }
+
+
+def describe_plan(planning: Planning, epoch: int = 0, bins: int = 20, balance_ranks: int | None = None) -> dict:
     """Every reported number for one epoch of ``planning.dataset``; metadata only."""
     dataset, train = planning.dataset, planning.specs.train
     plan = dataset.plan(epoch)
@@ -248,6 +297,7 @@ def describe_plan(planning: Planning, epoch: int = 0, bins: int = 20) -> dict:
                   "world_size": dataset.world_size, "drop_last": train.drop_last},
         "histograms": {"fill": histogram(fills, bins, (0.0, 1.0)), "samples_per_pack": histogram(samples, bins),
                        "media_per_pack": histogram(media, bins)},
+        "cost": compute_costs(dataset, epoch, balance_ranks or (dataset.world_size if dataset.world_size > 1 else 8)),
     }
     # last: planning every epoch replaces the dataset's cached plan of ``epoch``
     report["estimated_optimizer_steps"] = dataset.estimate_total_steps(
@@ -259,7 +309,7 @@ def compute_pack_report(cfg: DictConfig, spec: ReportSpec | None = None) -> dict
     """The report of a composed config (as a training command would compose it)."""
     spec = spec or report_spec(cfg)
     planning = build_planning_dataset(cfg, recipe_name(cfg, spec), resolve_world_size(spec))
-    return describe_plan(planning, spec.epoch, spec.bins)
+    return describe_plan(planning, spec.epoch, spec.bins, spec.balance_ranks)
 
 
 # --- output --------------------------------------------------------------------------------------------------
@@ -271,6 +321,33 @@ def _pct(value: float | None) -> str:
 
 def _num(value: float | None, digits: int = 2) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def _imbalance(summary: dict) -> str:
+    if summary["mean"] is None:
+        return f"no full step ({summary['tail_steps']} partial)"
+    tail = ", ".join(f"{x:.2f}" for x in summary["tail"]) or "none"
+    return (f"mean {summary['mean']:.3f}, p95 {summary['p95']:.3f}, max {summary['max']:.3f} over "
+            f"{summary['full_steps']} full steps (tail step apart: {tail})")
+
+
+def format_costs(c: dict) -> list[str]:
+    per_pack, per_rank, balance = c["per_pack"], c["per_rank"], c["balance"]
+    ranks = per_rank["values"]
+    none, compute = balance["none"], balance["compute"]
+    return [
+        f"cost per pack (useful fwd+bwd GFLOP): mean {_num(per_pack['mean'] / 1e9, 3)}, min "
+        f"{_num(per_pack['min'] / 1e9, 3)}, max {_num(per_pack['max'] / 1e9, 3)}; epoch {per_pack['total'] / 1e12:.4g} "
+        "TFLOP",
+        f"cost per rank (world size {per_rank['world_size']}, GFLOP): "
+        + ", ".join(f"{v / 1e9:.4g}" for v in ranks[:16]) + (" ..." if len(ranks) > 16 else "")
+        + f"; max/mean {_num(per_rank['max_over_mean'], 3)}",
+        f"per-step imbalance (max/mean per-rank cost) at {none['world_size']} simulated ranks x "
+        f"{none['packs_per_rank_per_step']} pack(s) per rank per step (packing.balance={balance['configured']}, "
+        f"window {balance['window_steps']} steps):",
+        f"  balance none:    {_imbalance(none)}",
+        f"  balance compute: {_imbalance(compute)}",
+    ]
 
 
 def format_report(r: dict) -> str:
@@ -297,6 +374,7 @@ def format_report(r: dict) -> str:
         f"  padding ratio {_pct(b['padding_ratio'])} ({b['effective_tokens']} effective of {b['slots']} slots)",
         f"  attention work sum(segment^2) {b['attention_work']} vs dense rows x width^2 {b['dense_attention_work']}: "
         f"{_pct(b['attention_work_ratio'])}",
+        *format_costs(r["cost"]),
         f"estimated optimizer steps: {r['estimated_optimizer_steps']} ({s['epochs']} epochs, micro batch "
         f"{s['micro_batch_size']}, gradient accumulation {s['gradient_accumulation_steps']}, world size "
         f"{s['world_size']}, drop_last {s['drop_last']})",

@@ -27,7 +27,9 @@ Soft checks (in process):
 - ``collator-padding``: the run's ``MLLMCollator`` pads real packs and an empty one with the inactive values.
 - ``model-preparation``: the testkit's ``run_equivalence`` (the check ``tools/check_packed_equivalence.py`` runs)
   on two real packs of the demo plan, for every backend of the recipe this machine runs; flash kwargs through
-  ``sdpa_varlen`` on CPU where flash cannot run. Packed logits, loss and gradients must equal one-by-one ones.
+  ``sdpa_varlen`` on CPU where flash cannot run. Packed logits, loss and gradients must equal one-by-one ones. A
+  hybrid model (linear-attention layers, Qwen3.5) also runs with its linear-attention boundaries withheld, which
+  must cost more than ``LEAK_FLOOR`` (1e-2): the check provably sees a state or conv-window leak.
 - ``accounting``: a counted pass over every epoch through the run's own loader and collator
   (``TokenAccounting.from_batch``) against the plan, ``tools/pack_report.py``'s slot prediction and
   ``dataset.estimate_total_steps``.
@@ -64,6 +66,7 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from mvp_engine.engine.config import CONF_DIR, ConfigError  # noqa: E402
 from mvp_engine.engine.recipe import Recipe  # noqa: E402
 from mvp_engine.engine.testing import (  # noqa: E402
+    LEAK_FLOOR,
     TOL,
     EquivalenceCase,
     check_flash_kwargs_with_reference_attention,
@@ -71,6 +74,7 @@ from mvp_engine.engine.testing import (  # noqa: E402
     compose_config,
     run_equivalence,
     runnable_backends,
+    without_linear_boundaries,
 )
 from mvp_engine.engine.trainer import Trainer  # noqa: E402
 from mvp_engine.kit.mllm.data import (  # noqa: E402
@@ -82,7 +86,7 @@ from mvp_engine.kit.mllm.data import (  # noqa: E402
     TokenAccounting,
     optimizer_steps,
 )
-from mvp_engine.packing import is_flash, segment_positions  # noqa: E402
+from mvp_engine.packing import has_linear_attention, is_flash, segment_positions  # noqa: E402
 from tools.pack_report import batch_accounting, micro_batches, rank_rows  # noqa: E402
 
 DEFAULT_OVERRIDES = ("demo.num_samples=32", "data.max_seq_len=512", "train.micro_batch_size=2", "train.epochs=2")
@@ -420,6 +424,17 @@ def flash_reference(case: EquivalenceCase) -> tuple[bool, str]:
     return True, f"flash_attention_2 kwargs through sdpa_varlen on CPU max logit diff {worst:.1e}"
 
 
+def withheld_linear_boundaries(ctx: Context, case: EquivalenceCase, backends: list[str]) -> tuple[bool, str] | None:
+    """A hybrid model: the same comparison with its linear-attention boundaries withheld must show the leak."""
+    backend = next((b for b in ("sdpa", "eager") if b in backends), None)
+    if backend is None or not has_linear_attention(ctx.trainer.model):
+        return None
+    report = run_equivalence(case, backend, prepare_packed=without_linear_boundaries(ctx.recipe.prepare_packed))
+    caught = report.max_logit_diff > LEAK_FLOOR
+    return caught, (f"{backend} with the linear-attention boundaries withheld max logit diff "
+                    f"{report.max_logit_diff:.1e} ({'over' if caught else 'NOT over'} {LEAK_FLOOR:.0e})")
+
+
 def check_model_preparation(ctx: Context) -> tuple[bool, str]:
     """Packed logits, loss and gradients equal one-by-one ones: no sample saw another and every sample kept its
     own (multimodal) positions. The comparison is the testkit's, on real packs instead of fixtures."""
@@ -436,6 +451,11 @@ def check_model_preparation(ctx: Context) -> tuple[bool, str]:
         parts.append(text)
         if not ok:
             problems.append("flash_attention_2 kwargs differ")
+    withheld = withheld_linear_boundaries(ctx, case, backends)
+    if withheld is not None:
+        parts.append(withheld[1])
+        if not withheld[0]:
+            problems.append("a linear-attention leak is not seen")
     images = sum(s.num_media for s in case.samples)
     head = (f"{len(case.rows)} real packs ({len(case.samples)} samples, {images} images, "
             f"{sum(s.length for s in case.samples)} tokens), tolerance {TOL:.0e}: ")

@@ -52,6 +52,8 @@ class TrainSpec:
     save_every_steps: int = 0  # 0: no periodic checkpoint (a SIGTERM still saves one)
     keep_last: int = 2  # complete checkpoints kept; older ones are deleted only after a newer one is complete
     resume_from: str | None = None  # null: start fresh; auto: the newest checkpoint in the run directory; or a path
+    peak_tflops: float | None = None  # the device's peak for MFU; null: the GPU table (bf16/fp16) or no MFU
+    time_barrier: bool = False  # time each rank's compute and its wait at a barrier before the optimizer step
 
     def __post_init__(self) -> None:
         for name in ("epochs", "micro_batch_size", "gradient_accumulation_steps", "log_every", "keep_last"):
@@ -82,6 +84,9 @@ class TrainSpec:
                               f"{list(MIXED_PRECISION)}")
         if self.mixed_precision == "fp16" and not torch.cuda.is_available():
             raise ConfigError("train.mixed_precision='fp16' needs a CUDA GPU: use 'bf16' or 'no' on the CPU")
+        if self.peak_tflops is not None and not (isinstance(self.peak_tflops, (int, float)) and self.peak_tflops > 0):
+            raise ConfigError(f"train.peak_tflops={self.peak_tflops!r} is invalid: allowed null or a float > 0 "
+                              "(TFLOP/s of one device)")
         if self.resume_from not in (None, "auto") and not Path(self.resume_from).is_dir():
             raise ConfigError(f"train.resume_from={self.resume_from!r} is invalid: allowed null, 'auto' or a "
                               "checkpoint directory")
@@ -95,6 +100,7 @@ class DemoSpec:
     out_dir: str = ".cache/demo"
     num_samples: int = 600
     seed: int = 0
+    videos: bool = False  # add short generated clips to the mix (a recipe whose encoder takes video sets it)
 
 
 @dataclass
@@ -113,7 +119,7 @@ def data_with_sources(specs: RunSpecs) -> MLLMDataSpec:
     data = specs.data
     if not data.sources:
         demo = specs.demo
-        data.sources = [str(write_demo_dataset(demo.out_dir, demo.num_samples, demo.seed))]
+        data.sources = [str(write_demo_dataset(demo.out_dir, demo.num_samples, demo.seed, videos=demo.videos))]
     return data
 
 

@@ -97,12 +97,13 @@ def dummy_media_loss(model, dummy_inputs: dict) -> torch.Tensor:
 
     The encoder is called through the model's own ``get_image_features`` (every transformers VLM has one), outside
     the DDP wrapper's forward; DDP's gradient hooks sit on the parameters, so the backward still reaches them. Its
-    ``pooler_output`` is what the language model consumes, so the dummy reaches exactly what a real image does.
+    ``pooler_output`` (and, for Qwen3-VL's DeepStack, its ``deepstack_features``) is what the language model
+    consumes, so the dummy reaches exactly what a real image does.
     """
     inner = unwrap_model(model)
     device = next(inner.parameters()).device
     outputs = inner.get_image_features(**{k: v.to(device) for k, v in dummy_inputs.items()})
-    features = getattr(outputs, "pooler_output", None)
-    features = outputs if features is None else features
+    consumed = [getattr(outputs, key, None) for key in ("pooler_output", "deepstack_features")]
+    features = [part for part in consumed if part is not None] or outputs
     total = sum(t.float().sum() for t in _tensors(features) if t.is_floating_point())
     return total * 0.0

@@ -29,6 +29,9 @@ class Recipe:
     ``dummy_media(model)`` gives the kwargs of ``model.get_image_features`` for one tiny image, which the engine
     runs zero-weighted on micro-batches without media; ``unreachable_parameters(model)`` names parameters no
     forward can reach, which the engine freezes (both: ``mvp_engine.engine.participation``).
+
+    ``cost_profile(model, unreachable)`` (optional) returns the model's ``CostProfile`` where the engine's generic
+    reading (``mvp_engine.engine.flops.cost_profile``) gets it wrong; leave it None otherwise.
     """
 
     name: str
@@ -41,6 +44,7 @@ class Recipe:
     dummy_media: Callable[[Any], dict]
     unreachable_parameters: Callable[[Any], list[str]] = no_unreachable_parameters
     attention_backends: tuple[str, ...] = ("eager", "sdpa", "flash_attention_2")
+    cost_profile: Callable[[Any, list[str]], Any] | None = None
 
     @classmethod
     def from_modules(cls, name: str, *, model: ModuleType, packed: ModuleType,
@@ -60,4 +64,5 @@ class Recipe:
             dummy_media=model.dummy_media,
             unreachable_parameters=getattr(model, "unreachable_parameters", no_unreachable_parameters),
             attention_backends=tuple(packed.ATTENTION_BACKENDS),
+            cost_profile=getattr(model, "cost_profile", None),
         )

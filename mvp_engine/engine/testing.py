@@ -7,7 +7,9 @@ This module is the kit's public entry point; the checks live in ``mvp_engine.eng
 - ``smoke``: a few real training steps per packing strategy: finite, falling loss; accounting reconciles with the
   plan; estimated == actual steps (``check_smoke_summary``).
 - ``equivalence``: packed == one-by-one (logits per segment, token-mean loss, parameter gradients) on real encoded
-  records packed by the DataKit, for every backend this machine runs; the flash kwargs through a CPU reference.
+  records packed by the DataKit, for every backend this machine runs; the flash kwargs through a CPU reference;
+  a hybrid model's linear-attention boundaries withheld must be caught
+  (``check_withheld_linear_boundaries_are_caught``).
 - ``encoders``: measure == encode, assistant-only labels, errors naming the record, save/load round trip, a
   reproducible tokenizer asset, no torchvision needed.
 - ``participation``: declared-unreachable parameters really get no gradient; the dummy media pass reaches every
@@ -28,13 +30,16 @@ from .testkit.encoders import (
     check_tokenizer_asset,
 )
 from .testkit.equivalence import (
+    LEAK_FLOOR,
     TOL,
     EquivalenceCase,
     EquivalenceReport,
     check_flash_kwargs_with_reference_attention,
+    check_withheld_linear_boundaries_are_caught,
     collate_rows,
     equivalence_case,
     run_equivalence,
+    without_linear_boundaries,
 )
 from .testkit.launch import LAUNCH_ENV, final_weights, launch, max_weight_difference, read_metrics, read_summary, start
 from .testkit.participation import check_dummy_media_pass, check_unreachable_parameters_are_unreachable
@@ -71,6 +76,7 @@ from .testkit.structure import (
 __all__ = [
     "CONF_DIR",
     "LAUNCH_ENV",
+    "LEAK_FLOOR",
     "PACKINGS",
     "TOL",
     "EquivalenceCase",
@@ -89,6 +95,7 @@ __all__ = [
     "check_structure",
     "check_tokenizer_asset",
     "check_unreachable_parameters_are_unreachable",
+    "check_withheld_linear_boundaries_are_caught",
     "collate_rows",
     "compose_config",
     "demo_like_records",
@@ -117,5 +124,6 @@ __all__ = [
     "write_frame_folder",
     "write_image",
     "write_mixed_jsonl",
+    "without_linear_boundaries",
     "write_video",
 ]

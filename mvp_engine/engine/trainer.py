@@ -31,6 +31,7 @@ from mvp_engine.kit.mllm.data.steps import micro_batches_per_rank
 
 from .checkpoint import Checkpointer, RunState, load_run_state, resolve_resume
 from .config import CONF_DIR, ConfigError, RunSpecs, data_with_sources, resolve_run_specs
+from .flops import batch_flops, device_peak_tflops, recipe_cost_profile
 from .launch import build_accelerator, describe_processes, end_processes
 from .loss import token_weights, weighted_token_loss
 from .participation import dummy_media_loss, freeze_parameters, has_media
@@ -39,6 +40,8 @@ from .recipe import Recipe
 
 BAD_RECORDS = "bad_records.jsonl"
 DROPPED_RECORDS = "dropped_records.jsonl"
+# metrics.jsonl values that depend on the wall clock: the only ones a rerun (or a resume) may not reproduce
+WALL_CLOCK_METRICS = ("tokens_per_s", "tflops_per_s", "mfu", "compute_ms", "barrier_wait_ms")
 
 
 def step_groups(loader, size: int):
@@ -73,11 +76,18 @@ class Trainer:
         self.parameters = freeze_parameters(self.model, cfg.model.get("freeze") or [],
                                             recipe.unreachable_parameters(self.model))
         self.dummy_media = recipe.dummy_media(self.model)
+        # FLOPs per unit of work of this model as it trains: the per-step FLOPs and MFU, and packing.balance=compute
+        self.cost_profile = recipe_cost_profile(recipe, self.model)
+        self.peak_tflops, self.peak_source = device_peak_tflops(train.peak_tflops, train.mixed_precision,
+                                                                self.accelerator.device)
         data = data_with_sources(self.specs)
         self.bad_records = BadRecordReport(data.on_bad_record, data.max_bad_fraction)
         self.dataset = MLLMDataKit.build_dataset(data, self.encoder, rank=self.accelerator.process_index,
                                                  world_size=self.accelerator.num_processes,
-                                                 drop_last=train.drop_last, bad_records=self.bad_records)
+                                                 drop_last=train.drop_last, bad_records=self.bad_records,
+                                                 micro_batch_size=train.micro_batch_size,
+                                                 gradient_accumulation_steps=train.gradient_accumulation_steps,
+                                                 cost_profile=self.cost_profile)
         self.collator = MLLMCollator(recipe.pad_token_id(self.processor), train.pad_to_multiple_of)
         self.packed = data.packing is not None
         self.prepare = recipe.prepare_packed if self.packed else recipe.prepare_padded
@@ -129,21 +139,29 @@ class Trainer:
                           worker_init_fn=ignore_stop_signals if train.num_workers else None,
                           generator=torch.Generator().manual_seed(train.seed * 1_000_003 + epoch))
 
-    def _train_step(self, group: list[dict], model, optimizer, scheduler) -> tuple[float, float]:
+    def _train_step(self, group: list[dict], model, optimizer,
+                    scheduler) -> tuple[float, float, tuple[float, float] | None]:
         """One optimizer step over ``group``; the denominator covers every micro-batch on every rank.
 
         The scheduler is stepped here, once per optimizer step (it is not handed to ``accelerator.prepare``, whose
         wrapper would step it once per process), so the schedule is the same on 1 rank and on N.
+
+        Under ``train.time_barrier`` the gradients are all-reduced after the last backward instead of during it (DDP
+        overlaps its all-reduce with backward, which hides a fast rank's wait inside its backward): this rank's
+        compute time (forward and backward of its micro-batches) and its wait at a barrier before the optimizer step
+        are returned, in seconds; the update is the same (the mean of the ranks' gradients).
         """
         reduction = self.specs.train.loss_reduction
+        timed = self.specs.train.time_barrier
         local = sum(token_weights(b["labels"], b["pack_segment_ids"], reduction).sum() for b in group)
         total = self.accelerator.reduce(torch.as_tensor(local, device=self.accelerator.device, dtype=torch.float64),
                                         reduction="sum")
         denominator = total.clamp(min=1e-12)
         step_loss = 0.0
+        compute_start = time.perf_counter()
         for index, batch in enumerate(group):
             batch = send_to_device(batch, self.accelerator.device)
-            sync = index == len(group) - 1
+            sync = index == len(group) - 1 and not timed
             context = self.accelerator.no_sync(model) if not sync else nullcontext()
             with context:
                 outputs = model(**self.prepare(batch, model, self.specs.attention))
@@ -153,13 +171,37 @@ class Trainer:
                     loss = loss + dummy_media_loss(model, self.dummy_media)
                 self.accelerator.backward(loss)
             step_loss += float(part.weighted_sum.detach()) / float(denominator)
+        timing = self._barrier_and_sync(model, time.perf_counter() - compute_start) if timed else None
         grad_norm = self.accelerator.clip_grad_norm_(model.parameters(), self.specs.train.max_grad_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step_loss = float(self.accelerator.reduce(torch.tensor(step_loss, device=self.accelerator.device),
                                                   reduction="sum"))
-        return step_loss, float(grad_norm)
+        return step_loss, float(grad_norm), timing
+
+    def _barrier_and_sync(self, model, compute_seconds: float) -> tuple[float, float]:
+        """``train.time_barrier``: wait at an explicit barrier (timed), then average the gradients over the ranks
+        (what DDP's all-reduce does), one flat all-reduce."""
+        if self.accelerator.num_processes == 1:
+            return compute_seconds, 0.0
+        start = time.perf_counter()
+        torch.distributed.barrier()
+        waited = time.perf_counter() - start
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        torch.distributed.all_reduce(flat)
+        flat /= self.accelerator.num_processes
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+        return compute_seconds, waited
+
+    def _batch_flops(self, group: list[dict]) -> tuple[int, int]:
+        """Useful and executed FLOPs of this rank's micro-batches (``flops.batch_flops``)."""
+        counts = [batch_flops(self.cost_profile, b, self.specs.attention, self.dummy_media, self.packed) for b in group]
+        return sum(c.useful for c in counts), sum(c.executed for c in counts)
 
     def _shape(self) -> tuple[int, int, int]:
         """What decides which packs each rank trains at each step: a resume must keep it."""
@@ -197,6 +239,10 @@ class Trainer:
             print(self.parameters.describe())
         optimizer, scheduler = self._optimizer_and_schedule()
         model, optimizer = self.accelerator.prepare(self.model, optimizer)
+        if train.time_barrier and self.accelerator.num_processes > 1 and \
+                not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            raise ConfigError("train.time_barrier=true needs DDP (torchrun or conf/accelerate/ddp.yaml) or one "
+                              f"process; this run is {self.accelerator.distributed_type.value}")
         self.accelerator.register_for_checkpointing(scheduler)
         model.train()
         checkpointer = Checkpointer(self.accelerator, self.output_dir, train.keep_last)
@@ -204,6 +250,7 @@ class Trainer:
         totals = state.accounting()
         ledgers = [RecordLedger.from_dict(e) for e in state.epochs]
         local_steps = 0
+        session = {"model_flops": 0, "executed_flops": 0, "seconds": 0.0, "compute": [], "wait": []}
         stopped_by = None
         started = time.perf_counter()
         progress = tqdm(total=self.total_steps, initial=state.step, disable=not main, desc=f"{self.recipe.name} train")
@@ -229,9 +276,10 @@ class Trainer:
                         break
                     step_start = time.perf_counter()
                     lr = scheduler.get_last_lr()[0]  # the rate this step trains at
-                    loss, grad_norm = self._train_step(group, model, optimizer, scheduler)
+                    loss, grad_norm, timing = self._train_step(group, model, optimizer, scheduler)
                     seconds = time.perf_counter() - step_start
                     local = sum((TokenAccounting.from_batch(b) for b in group), TokenAccounting())
+                    local.model_flops, local.executed_flops = self._batch_flops(group)
                     step_counts = TokenAccounting.from_tensor(self.accelerator.reduce(
                         local.as_tensor().to(self.accelerator.device), reduction="sum").cpu())
                     totals = totals + step_counts
@@ -244,7 +292,22 @@ class Trainer:
                               "grad_norm": grad_norm, "effective_tokens": step_counts.effective,
                               "supervised_tokens": step_counts.supervised, "samples": step_counts.samples,
                               "packs": step_counts.packs, "padding_ratio": step_counts.padding_ratio,
-                              "tokens_per_s": step_counts.effective / seconds}
+                              "tokens_per_s": step_counts.effective / seconds,
+                              "model_tflops": step_counts.model_flops / 1e12,
+                              "executed_tflops": step_counts.executed_flops / 1e12,
+                              "tflops_per_s": self._per_device(step_counts.model_flops, seconds)}
+                    if self.peak_tflops:
+                        record["mfu"] = record["tflops_per_s"] / self.peak_tflops
+                    session["model_flops"] += step_counts.model_flops
+                    session["executed_flops"] += step_counts.executed_flops
+                    session["seconds"] += seconds
+                    if timing is not None:
+                        ranks = self.accelerator.gather(torch.tensor([timing], dtype=torch.float64,
+                                                                     device=self.accelerator.device)).cpu()
+                        record["compute_ms"] = [round(1e3 * v, 3) for v in ranks[:, 0].tolist()]
+                        record["barrier_wait_ms"] = [round(1e3 * v, 3) for v in ranks[:, 1].tolist()]
+                        session["compute"].append(record["compute_ms"])
+                        session["wait"].append(record["barrier_wait_ms"])
                     if main:
                         self._log_step(metrics, progress, record, step_counts)
                     if train.save_every_steps and state.step % train.save_every_steps == 0:
@@ -253,6 +316,13 @@ class Trainer:
                             progress.write(f"checkpoint: {saved}")
         progress.close()
         summary = self._summary(state, totals, ledgers, gather_object([local_steps]), time.perf_counter() - started)
+        summary["flops"] = self._flops_summary(totals, session)
+        if session["compute"]:
+            summary["barrier_timing"] = {
+                "steps": len(session["compute"]),
+                "compute_ms_per_step": [sum(c) / len(c) for c in zip(*session["compute"])],
+                "barrier_wait_ms_per_step": [sum(w) / len(w) for w in zip(*session["wait"])],
+            }
         summary["stopped_by"] = stopped_by
         if stopped_by is None:
             self._save(model, summary)
@@ -261,6 +331,27 @@ class Trainer:
             print(f"stopped by {stopped_by} after step {state.step}; resume with train.resume_from=auto "
                   f"(run directory {self.output_dir})")
         return summary
+
+    def _per_device(self, flops: int, seconds: float) -> float:
+        """TFLOP/s of one device: a step's FLOPs over all ranks, per second, per rank."""
+        return flops / seconds / self.accelerator.num_processes / 1e12 if seconds else 0.0
+
+    def _flops_summary(self, totals: TokenAccounting, session: dict) -> dict:
+        """FLOPs of the whole run (``totals``) and the rate of this session's training steps, with MFU when the
+        device's peak is known."""
+        rate = self._per_device(session["model_flops"], session["seconds"])
+        return {
+            "model_tflops": totals.model_flops / 1e12,
+            "executed_tflops": totals.executed_flops / 1e12,
+            "step_seconds_this_session": session["seconds"],
+            "tflops_per_s": rate,
+            "executed_tflops_per_s": self._per_device(session["executed_flops"], session["seconds"]),
+            "peak_tflops": self.peak_tflops,
+            "peak_source": self.peak_source,
+            "mfu": rate / self.peak_tflops if self.peak_tflops else None,
+            "attention": self.specs.attention,
+            "cost_profile": self.cost_profile.to_dict(),
+        }
 
     def _step_boundary(self, group: list[dict], preemption: PreemptionWatch, ledger: RecordLedger) -> str | None:
         """Agree across ranks, before a step: "SIGTERM" when any rank got one; decoding faults of the step's packs
@@ -290,7 +381,8 @@ class Trainer:
                 f"step {record['step']}/{self.total_steps} epoch {record['epoch']} loss {record['loss']:.4f} "
                 f"lr {record['lr']:.2e} tokens {step_counts.effective} supervised {step_counts.supervised} "
                 f"samples {step_counts.samples} padding {step_counts.padding_ratio:.1%} "
-                f"tok/s {record['tokens_per_s']:.0f}")
+                f"tok/s {record['tokens_per_s']:.0f} TFLOP/s {record['tflops_per_s']:.3g}"
+                + (f" MFU {record['mfu']:.1%}" if "mfu" in record else ""))
 
     def _reset_dropped_records(self, state: RunState) -> None:
         """``dropped_records.jsonl`` keeps the epochs the resumed position has already started (a killed run may

@@ -34,6 +34,12 @@ from .inputs import (
     text_positions,
     unwrap_model,
 )
+from .linear_attention import (
+    enable_linear_attention_packing,
+    ensure_linear_attention_boundaries,
+    has_linear_attention,
+    linear_attention_enabled,
+)
 
 __all__ = [
     "FORBIDDEN_MODEL_KWARGS",
@@ -41,6 +47,8 @@ __all__ = [
     "SDPA_VARLEN",
     "attention_mask_for",
     "block_causal_mask",
+    "enable_linear_attention_packing",
+    "ensure_linear_attention_boundaries",
     "check_media_placement",
     "check_model_backend",
     "check_packed_model_kwargs",
@@ -50,9 +58,11 @@ __all__ = [
     "ensure_position_rows",
     "flash_varlen_kwargs",
     "flex_block_mask",
+    "has_linear_attention",
     "is_block_mask",
     "is_flash",
     "language_model_attn_implementation",
+    "linear_attention_enabled",
     "media_owners",
     "packed_attention_kwargs",
     "prepare_packed_inputs",

@@ -4,7 +4,9 @@ A recipe's hooks turn a collated batch into model kwargs. Most of that is the sa
 here: unwrap the training wrapper, check that the batch is prepared for the backend the model actually runs, build
 the backend's attention inputs from ``pack_segment_ids`` (4-D block-causal mask for eager/sdpa, a ``BlockMask`` for
 flex_attention, ``cu_seq_lens_q/k`` + ``max_length_q/k`` for flash), check the batch's own ``position_ids`` and
-``cu_seqlens`` against the segment ids, force ``use_cache=False``, and run every contamination guard. A recipe adds
+``cu_seqlens`` against the segment ids, force ``use_cache=False``, and run every contamination guard. A hybrid
+model with linear-attention layers (Qwen3.5) gets both in one call: the mask for its full-attention layers and the
+samples' ``cu_seq_lens_q`` for its linear ones (``linear_attention``). A recipe adds
 only what is model-specific: its positions (1-D for LLaVA, per-segment M-RoPE for Qwen2-VL) and its media kwargs.
 
 Kwargs are built from scratch (never by copying the batch), so batch-only fields (``cu_seqlens``, ``max_seqlen``,
@@ -30,6 +32,7 @@ from .attention import (
     takes_varlen_kwargs,
     validate_segment_ids,
 )
+from .linear_attention import BOUNDARIES, ensure_linear_attention_boundaries, has_linear_attention
 
 PACKED_BACKENDS = ("eager", "sdpa", "sdpa_varlen", "flex_attention", "flash_attention_2", "flash_attention_3")
 
@@ -105,18 +108,24 @@ def check_media_placement(batch: Mapping[str, Any], placeholder: torch.Tensor,
     return owners
 
 
-def packed_attention_kwargs(batch: Mapping[str, Any], attn_implementation: str, dtype: torch.dtype) -> dict:
-    """The backend's attention inputs for a packed batch, all derived from ``pack_segment_ids``."""
+def packed_attention_kwargs(batch: Mapping[str, Any], attn_implementation: str, dtype: torch.dtype,
+                            boundaries: bool = False) -> dict:
+    """The backend's attention inputs for a packed batch, all derived from ``pack_segment_ids``. ``boundaries``:
+    also the samples' ``cu_seq_lens_q`` next to an eager/sdpa/flex mask (a hybrid model's linear-attention layers
+    read them while its full-attention layers read the mask; flash and sdpa_varlen carry them anyway)."""
     segment_ids = batch["pack_segment_ids"]
-    if takes_varlen_kwargs(attn_implementation):
+    varlen = {}
+    if boundaries or takes_varlen_kwargs(attn_implementation):
         varlen = flash_varlen_kwargs(segment_ids)
         given = batch.get("cu_seqlens")
         if given is not None and not torch.equal(given.to(torch.int32).cpu(), varlen["cu_seq_lens_q"].cpu()):
             raise ValueError("batch cu_seqlens disagree with pack_segment_ids")
+    if takes_varlen_kwargs(attn_implementation):
         return varlen
     if attn_implementation not in PACKED_BACKENDS:
         raise NotImplementedError(f"packed attention for {attn_implementation!r} is not implemented")
-    return {"attention_mask": attention_mask_for(segment_ids, attn_implementation, dtype)}
+    mask = {"attention_mask": attention_mask_for(segment_ids, attn_implementation, dtype)}
+    return {**mask, BOUNDARIES: varlen[BOUNDARIES]} if boundaries else mask
 
 
 def prepare_packed_inputs(
@@ -141,9 +150,10 @@ def prepare_packed_inputs(
         "position_ids": position_ids,
         "use_cache": False,
         **media,
-        **packed_attention_kwargs(batch, attn_implementation, model.dtype),
+        **packed_attention_kwargs(batch, attn_implementation, model.dtype, boundaries=has_linear_attention(model)),
     }
     check_packed_model_kwargs(kwargs, attn_implementation, position_rows=position_rows)
+    ensure_linear_attention_boundaries(model, kwargs)
     return kwargs
 
 

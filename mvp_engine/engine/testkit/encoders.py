@@ -13,11 +13,11 @@ from pathlib import Path
 
 import torch
 
-from mvp_engine.kit.mllm.data import IGNORE_INDEX, MLLMMediaHandler, MLLMRecord
+from mvp_engine.kit.mllm.data import IGNORE_INDEX, MLLMMediaHandler, MLLMRecord, MLLMRecordError
 
 from ..config import CONF_DIR
 from .equivalence import collate_rows
-from .records import assistant, demo_like_records, image, text, user, varied_records, varied_video_records
+from .records import assistant, demo_like_records, image, text, user, varied_records, varied_video_records, video_record
 from .structure import compose_config, load_recipe
 
 REPO_ROOT = CONF_DIR.parent
@@ -25,21 +25,37 @@ REPO_ROOT = CONF_DIR.parent
 
 def check_measure_equals_encode(encoder, directory: Path) -> int:
     """``measure`` (headers and video metadata only) predicts ``encode`` exactly on many records (clips too when the
-    encoder takes video); media rows match their items."""
+    encoder takes video); media rows match their items. A record the processors refuse (Qwen3-VL: a one-frame clip)
+    must be refused by both, for the same reason. Returns the records checked (refused ones included)."""
     records = varied_records(Path(directory))
     if encoder.video_token:
         records += varied_video_records(Path(directory) / "videos")
     placeholder_ids = torch.tensor([i for i in (encoder.image_token_id, encoder.video_token_id) if i is not None])
     handler = MLLMMediaHandler()
     for record in records:
+        try:
+            meta = encoder.measure(record)
+        except MLLMRecordError as err:
+            refused = _refusal(encoder.encode, record)
+            assert refused == err.reason, f"{record.origin}: measure refused it ({err.reason}), encode: {refused}"
+            continue
         sample = encoder.encode(record)
-        assert encoder.measure(record) == sample.meta, record.origin
+        assert meta == sample.meta, record.origin
         assert sample.num_media == len(record.media_paths)
         handler.validate(sample)
         placeholders = torch.isin(sample.input_ids, placeholder_ids).nonzero().view(-1)
         assert sample.media_tokens == placeholders.numel()
         assert sample.media_end == (int(placeholders[-1]) + 1 if placeholders.numel() else 0)
     return len(records)
+
+
+def _refusal(call, record: MLLMRecord) -> str | None:
+    """The bad-record reason ``call(record)`` raises, None when it takes the record."""
+    try:
+        call(record)
+    except MLLMRecordError as err:
+        return err.reason
+    return None
 
 
 def check_assistant_only_labels(encoder, records: list[MLLMRecord], samples) -> None:
@@ -87,7 +103,8 @@ def _one_by_one_logits(recipe, model, processor, sample) -> torch.Tensor:
 
 
 def check_save_load_round_trip(name: str, directory: Path) -> None:
-    """``save_pretrained`` model + processor, reload through ``model.pretrained=<dir>``: same encoding, same logits."""
+    """``save_pretrained`` model + processor, reload through ``model.pretrained=<dir>``: same encoding, same logits
+    (a multi-image record, and a clip when the encoder takes video)."""
     recipe = load_recipe(name)
     model_cfg = compose_config(name).model
     directory = Path(directory)
@@ -97,14 +114,17 @@ def check_save_load_round_trip(name: str, directory: Path) -> None:
     processor.save_pretrained(directory / "ckpt")
     loaded_processor = recipe.build_processor({"pretrained": str(directory / "ckpt")})
     loaded = recipe.build_model({"pretrained": str(directory / "ckpt")}, "sdpa").eval()
-    record = demo_like_records(directory / "images")[2]  # multi-image, multi-turn
-    sample = recipe.build_encoder(processor).encode(record)
-    again = recipe.build_encoder(loaded_processor).encode(record)
-    assert torch.equal(sample.input_ids, again.input_ids) and torch.equal(sample.labels, again.labels)
-    assert sample.media.keys() == again.media.keys()
-    assert all(torch.equal(sample.media[k], again.media[k]) for k in sample.media)
-    assert torch.equal(_one_by_one_logits(recipe, model, processor, sample),
-                       _one_by_one_logits(recipe, loaded, loaded_processor, again))
+    encoder, loaded_encoder = recipe.build_encoder(processor), recipe.build_encoder(loaded_processor)
+    records = [demo_like_records(directory / "images")[2]]  # multi-image, multi-turn
+    if encoder.video_token:
+        records.append(video_record(directory / "clips"))
+    for record in records:
+        sample, again = encoder.encode(record), loaded_encoder.encode(record)
+        assert torch.equal(sample.input_ids, again.input_ids) and torch.equal(sample.labels, again.labels)
+        assert sample.media.keys() == again.media.keys()
+        assert all(torch.equal(sample.media[k], again.media[k]) for k in sample.media)
+        assert torch.equal(_one_by_one_logits(recipe, model, processor, sample),
+                           _one_by_one_logits(recipe, loaded, loaded_processor, again))
 
 
 def _asset_builder():

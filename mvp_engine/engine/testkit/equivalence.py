@@ -13,6 +13,8 @@ Compared, in fp32 on CPU for eager / sdpa / flex_attention (flash: CUDA and bf16
 - every parameter gradient of that loss, relative difference <= ``tol`` (not on CPU for flex_attention: torch's
   FlexAttention has no CPU backward).
 
+``check_withheld_linear_boundaries_are_caught`` is the negative check of a hybrid model (linear-attention layers,
+Qwen3.5): with their boundaries withheld the report must fail by more than ``LEAK_FLOOR`` (1e-2).
 ``check_flash_kwargs_with_reference_attention`` covers the flash path on CPU: the kwargs ``prepare_packed`` builds
 for flash go through the model into the sdpa_varlen backend (same kwargs) and must give one-by-one logits.
 """
@@ -28,8 +30,9 @@ from typing import Any
 import torch
 
 from mvp_engine.kit.mllm.data import MLLMCollator, MLLMPack, MLLMSample
-from mvp_engine.packing import SDPA_VARLEN, is_flash, row_segments
+from mvp_engine.packing import SDPA_VARLEN, has_linear_attention, is_flash, row_segments
 from mvp_engine.packing.attention import FLEX
+from mvp_engine.packing.linear_attention import BOUNDARIES
 
 from ..loss import weighted_token_loss
 from ..recipe import Recipe
@@ -38,6 +41,7 @@ from .structure import backward_available, compose_config, load_recipe
 
 TOL = 1e-5
 LOW_PRECISION_TOL = 3e-2
+LEAK_FLOOR = 1e-2  # what withheld boundaries must cost at least, so a leak can never pass as rounding noise
 
 
 def collate_rows(rows: list[list[MLLMSample]], pad_token_id: int, extra_pad: int = 3) -> dict:
@@ -220,6 +224,32 @@ def run_equivalence(case: EquivalenceCase, backend: str, *, prepare_packed: Call
             notes += problems
     return EquivalenceReport(case.recipe.name, backend, str(dtype).removeprefix("torch."), diffs,
                              packed_loss.detach().item(), separate_loss.detach().item(), grad_diff, tol, notes)
+
+
+def without_linear_boundaries(prepare_packed: Callable) -> Callable:
+    """``prepare_packed`` with the linear-attention boundaries withheld (the full-attention mask or varlen kwargs
+    kept): the negative check of a hybrid model, whose report must show the leak (over ``LEAK_FLOOR``)."""
+
+    def prepare(batch: dict, model, attn_implementation: str) -> dict:
+        kwargs = prepare_packed(batch, model, attn_implementation)
+        kwargs.pop(BOUNDARIES, None)
+        return kwargs
+
+    return prepare
+
+
+def check_withheld_linear_boundaries_are_caught(case: EquivalenceCase,
+                                                backend: str = "sdpa") -> EquivalenceReport | None:
+    """A hybrid model (linear-attention layers): ``run_equivalence`` with the linear-attention boundaries withheld
+    must fail by more than ``LEAK_FLOOR``, every row's first sample staying exact (nothing before it to leak from),
+    so the check provably sees a leak of the recurrent state or conv window. None for a model without them."""
+    if not has_linear_attention(case.recipe.build_model(case.model_cfg, backend)):
+        return None
+    report = run_equivalence(case, backend, prepare_packed=without_linear_boundaries(case.recipe.prepare_packed))
+    assert not report.ok and report.max_logit_diff > LEAK_FLOOR, "\n".join(report.lines())
+    for segment in report.segments:
+        assert (segment.max_abs <= report.tol) == (segment.start == 0), "\n".join(report.lines())
+    return report
 
 
 # --------------------------------------------------------------------------------------- flash kwargs, on CPU

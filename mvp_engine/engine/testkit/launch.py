@@ -50,10 +50,13 @@ def start(recipe: str, run_dir: Path, overrides=(), nproc: int = 1) -> subproces
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    """``metrics.jsonl`` without the wall-clock column, which is the one value a rerun may not reproduce."""
+    """``metrics.jsonl`` without the wall-clock columns, the only values a rerun may not reproduce."""
+    from ..trainer import WALL_CLOCK_METRICS
+
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     for line in lines:
-        line.pop("tokens_per_s")
+        for key in WALL_CLOCK_METRICS:
+            line.pop(key, None)
     return lines
 
 

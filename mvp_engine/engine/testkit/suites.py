@@ -47,7 +47,15 @@ class StructureSuite(RecipeSuite):
 
 
 class SmokeSuite(RecipeSuite):
-    @pytest.mark.parametrize("packing", kit.PACKINGS)
+    """``packings``: the modes to train (default all); a recipe whose packing differs from another's only in its
+    model hooks may run fewer, the engine-level tests covering the planners."""
+
+    packings: tuple[str | None, ...] = kit.PACKINGS
+
+    def pytest_generate_tests(self, metafunc):
+        if "packing" in metafunc.fixturenames:
+            metafunc.parametrize("packing", self.packings)
+
     def test_smoke_training(self, packing, tmp_path):
         summary = kit.smoke_run(self.recipe, packing, tmp_path / "run")
         kit.check_smoke_summary(summary)
@@ -80,6 +88,12 @@ class EquivalenceSuite(RecipeSuite):
         if "flash_attention_2" not in case.recipe.attention_backends:
             pytest.skip(f"{self.recipe} offers no flash attention")
         kit.check_flash_kwargs_with_reference_attention(case)
+
+    def test_withheld_linear_attention_boundaries_are_caught(self, case):
+        report = kit.check_withheld_linear_boundaries_are_caught(case)
+        if report is None:
+            pytest.skip(f"{self.recipe} has no linear-attention layers")
+        print("\n".join(report.lines()))
 
     def test_declared_unreachable_parameters_get_no_gradient(self, case):
         kit.check_unreachable_parameters_are_unreachable(case)

@@ -10,8 +10,10 @@ from .assembler import (
     SingleSampleAssembler,
 )
 from .bad_records import BadRecord, BadRecordReport, TooManyBadRecords
+from .balance import StepLayout, balanced_order, imbalance_summary
 from .chat import ChatTemplateEncoder
 from .collator import MLLMCollator
+from .cost import CostProfile, Rate, WorkUnits, pack_costs
 from .dataset import EpochPlan, MLLMDataKit, MLLMPackedDataset, MLLMStreamingPackedDataset
 from .images import load_image, read_image_size
 from .media import MEDIA_KINDS, MediaKind, MLLMMediaHandler
@@ -21,7 +23,7 @@ from .sources import MLLMRecordError, read_records
 from .spec import MLLMDataSpec, MLLMPackingSpec
 from .steps import estimate_total_steps, micro_batches_per_rank, optimizer_steps, packs_per_rank
 from .video import VideoInfo, load_video_frames, read_video_info
-from .video_patches import QwenVideoProcessor
+from .video_patches import Qwen3VideoProcessor, QwenVideoProcessor
 
 __all__ = [
     "BadRecord",
@@ -31,6 +33,7 @@ __all__ = [
     "IGNORE_INDEX",
     "BestFitDecreasingAssembler",
     "ChatTemplateEncoder",
+    "CostProfile",
     "EpochPlan",
     "GreedyAssembler",
     "MLLMCollator",
@@ -50,16 +53,23 @@ __all__ = [
     "OverlongSampleError",
     "MediaKind",
     "PackPlan",
+    "Rate",
+    "Qwen3VideoProcessor",
     "QwenVideoProcessor",
     "SampleMeta",
     "SingleSampleAssembler",
+    "StepLayout",
     "TokenAccounting",
     "VideoInfo",
+    "WorkUnits",
+    "balanced_order",
     "estimate_total_steps",
+    "imbalance_summary",
     "load_image",
     "load_video_frames",
     "micro_batches_per_rank",
     "optimizer_steps",
+    "pack_costs",
     "packs_per_rank",
     "read_image_size",
     "read_records",

@@ -17,6 +17,8 @@ class TokenAccounting:
     ``slots`` = rows x padded length; ``effective`` = tokens of real samples; ``supervised`` = tokens with a
     label; ``attention_work`` = sum of squared segment lengths (what block-causal attention computes) against
     ``dense_attention_work`` = rows x padded length squared (what one unmasked attention per row would).
+    ``model_flops`` / ``executed_flops``: forward + backward FLOPs the step needed / the kernels ran (``cost.py``);
+    a batch alone cannot tell them (they need the model's cost profile), so the trainer fills them in.
     """
 
     slots: int = 0
@@ -28,6 +30,8 @@ class TokenAccounting:
     batches: int = 0
     attention_work: int = 0
     dense_attention_work: int = 0
+    model_flops: int = 0
+    executed_flops: int = 0
     dropped: Counter = field(default_factory=Counter)
 
     @classmethod
@@ -58,7 +62,7 @@ class TokenAccounting:
     @staticmethod
     def _counts() -> tuple[str, ...]:
         return ("slots", "effective", "supervised", "media_tokens", "samples", "packs", "batches",
-                "attention_work", "dense_attention_work")
+                "attention_work", "dense_attention_work", "model_flops", "executed_flops")
 
     @property
     def padding_ratio(self) -> float:

@@ -16,8 +16,12 @@ promised is a bad record (``video_measure_mismatch``), not a wrong plan. Every e
 
 A recipe subclasses it and sets ``image_token``, ``assistant_header``, ``turn_end``, ``unsupervised_tokens`` and
 implements the image hooks; a recipe that takes video also sets ``video_token`` and implements the video hooks
-(without them a record with a video is a bad record, ``unsupported_video``). The processor it is built from needs
-``.tokenizer`` and ``.token_id(token)``; its ``video_processor`` (if any) goes into the fingerprint by ``repr``.
+(without them a record with a video is a bad record, ``unsupported_video``). By default a video stands in the text
+as its placeholder repeated (Qwen2-VL); a model that lays a video out as text and placeholder runs (Qwen3-VL: a
+timestamp and a ``<|vision_start|>...<|vision_end|>`` run per frame) sets ``video_part`` (what its chat template
+renders per video, replaced whole) and overrides ``video_text(info, tokens)``, which both ``encode`` and ``measure``
+call, so the text tokens it adds are counted exactly. The processor it is built from needs ``.tokenizer`` and
+``.token_id(token)``; its ``video_processor`` (if any) goes into the fingerprint by ``repr``.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ class ChatTemplateEncoder:
 
     image_token: str = "<image>"
     video_token: str | None = None  # the placeholder the chat template renders per video; None: no video
+    video_part: str | None = None  # the template's text per video that ``video_text`` replaces; None: video_token
     measure_version: int = 2  # bump when ``measure`` counts differently: it invalidates every measure cache
     assistant_header: str = ""
     turn_end: str = ""
@@ -63,7 +68,11 @@ class ChatTemplateEncoder:
         if self.video_token:
             self._placeholders.append(("video", self.video_token, self.video_token_id))
         self._placeholder_ids = torch.tensor([token_id for _, _, token_id in self._placeholders])
-        self._placeholder_split = re.compile("|".join(re.escape(token) for _, token, _ in self._placeholders))
+        # what the template renders per medium, replaced by the medium's text
+        self._parts = {self.image_token: "image"}
+        if self.video_token:
+            self._parts[self.video_part or self.video_token] = "video"
+        self._placeholder_split = re.compile("|".join(re.escape(part) for part in self._parts))
         self._unsupervised_ids = torch.tensor(
             [*self._placeholder_ids.tolist(), *(processor.token_id(token) for token in self.unsupervised_tokens)]
         )
@@ -88,6 +97,12 @@ class ChatTemplateEncoder:
         """The token count ``encode_videos`` gives this video, computed from its metadata alone."""
         raise NotImplementedError
 
+    def video_text(self, info: VideoInfo, tokens: int) -> str:
+        """The text that replaces one video's ``video_part`` in the rendered template, holding exactly ``tokens``
+        placeholders (from ``encode_videos`` when encoding, ``video_token_count`` when measuring); the default is
+        the placeholder ``tokens`` times. Raise ``ValueError`` for a video the layout cannot hold."""
+        return self.video_token * tokens
+
     # -------------------------------------------------------------------------------------------------- public
 
     def fingerprint(self) -> str:
@@ -103,7 +118,7 @@ class ChatTemplateEncoder:
             "encoder": f"{type(self).__module__}.{type(self).__qualname__}",
             "measure_version": self.measure_version,
             "layout": [self.image_token, self.video_token, self.assistant_header, self.turn_end,
-                       list(self.unsupervised_tokens)],
+                       list(self.unsupervised_tokens), *([self.video_part] if self.video_part else [])],
             "settings": settings,
             "tokenizer": [type(tokenizer).__name__, backend.to_str() if backend is not None else
                           sorted(tokenizer.get_vocab().items()), tokenizer.chat_template,
@@ -121,7 +136,7 @@ class ChatTemplateEncoder:
         video_media, video_counts = self._encode_media(record, "video", self.encode_videos, videos)
         media.update(video_media)
         counts = {"image": image_counts, "video": video_counts}
-        input_ids, labels = self._layout(record, counts)
+        input_ids, labels = self._layout(record, counts, videos)
         return MLLMSample(
             input_ids=input_ids,
             labels=labels,
@@ -130,15 +145,19 @@ class ChatTemplateEncoder:
             num_media=len(image_counts) + len(video_counts),
             media_tokens=sum(image_counts) + sum(video_counts),
             media_end=self._media_end(input_ids),
+            media_sq=self._media_sq(counts, videos),
         )
 
     def measure(self, record: MLLMRecord) -> SampleMeta:
         self._validate(record)
+        videos = [self._video_info(record, part) for part in record.parts("video")]
         counts = {"image": [self._header_token_count(record, path) for path in record.image_paths],
-                  "video": [self._metadata_token_count(record, part) for part in record.parts("video")]}
-        input_ids, labels = self._layout(record, counts)
+                  "video": [self._metadata_token_count(record, info) for info in videos]}
+        input_ids, labels = self._layout(record, counts, videos)
         return SampleMeta(length=int(input_ids.numel()), num_media=len(counts["image"]) + len(counts["video"]),
-                          media_end=self._media_end(input_ids), first_supervised=first_supervised_index(labels))
+                          media_end=self._media_end(input_ids), first_supervised=first_supervised_index(labels),
+                          media_tokens=sum(counts["image"]) + sum(counts["video"]),
+                          media_sq=self._media_sq(counts, videos))
 
     # ------------------------------------------------------------------------------------------------- helpers
 
@@ -190,9 +209,8 @@ class ChatTemplateEncoder:
         except MLLMRecordError as err:
             raise self._bad(record, str(err), err.reason) from None
 
-    def _metadata_token_count(self, record: MLLMRecord, part: dict) -> int:
+    def _metadata_token_count(self, record: MLLMRecord, info: VideoInfo) -> int:
         """A video's token count from its metadata alone (container header or frame folder listing)."""
-        info = self._video_info(record, part)
         try:
             return int(self.video_token_count(info))
         except Exception as err:  # noqa: BLE001 - the processor refuses this video (e.g. an extreme aspect ratio)
@@ -211,33 +229,35 @@ class ChatTemplateEncoder:
             raise self._bad(record, f"image {path!r} ({width}x{height}) refused by the image processor: {err}",
                             REJECTED["image"]) from err
 
-    def _render(self, messages: list[dict], counts: dict[str, list[int]]) -> str:
-        """The chat-template text of ``messages`` with the i-th placeholder of each kind repeated ``counts[kind][i]``
-        times."""
+    def _render(self, messages: list[dict], counts: dict[str, list[int]], videos: list[VideoInfo]) -> str:
+        """The chat-template text of ``messages`` with the i-th image placeholder repeated ``counts["image"][i]``
+        times and the i-th video part replaced by ``video_text(videos[i], counts["video"][i])``."""
         if not messages:
             return ""
         text = self.tokenizer.apply_chat_template(messages, tokenize=False)
-        kinds = {token: kind for kind, token, _ in self._placeholders}
-        seen = dict.fromkeys(kinds.values(), 0)
+        seen = dict.fromkeys(self._parts.values(), 0)
 
         def expand(match: re.Match) -> str:
-            kind = kinds[match.group(0)]
+            kind = self._parts[match.group(0)]
             index, seen[kind] = seen[kind], seen[kind] + 1
             if index >= len(counts[kind]):
                 raise ValueError(f"template rendered more than the {len(counts[kind])} {kind}(s) counted")
+            if kind == "video":
+                return self.video_text(videos[index], counts[kind][index])
             return match.group(0) * counts[kind][index]
 
         return self._placeholder_split.sub(expand, text)
 
-    def _assistant_spans(self, messages: list[dict], counts: dict[str, list[int]]) -> tuple[str, list[tuple[int, int]]]:
+    def _assistant_spans(self, messages: list[dict], counts: dict[str, list[int]],
+                         videos: list[VideoInfo]) -> tuple[str, list[tuple[int, int]]]:
         """The full rendering and the character span (content + turn end) of every assistant turn."""
-        full = self._render(messages, counts)
+        full = self._render(messages, counts, videos)
         spans = []
         for k, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            before = self._render(messages[:k], counts)
-            through = self._render(messages[: k + 1], counts)
+            before = self._render(messages[:k], counts, videos)
+            through = self._render(messages[: k + 1], counts, videos)
             header = through.find(self.assistant_header, len(before))
             if not full.startswith(through) or not through.startswith(before) or header < 0:
                 raise ValueError("chat template is not prefix-stable; cannot locate assistant turns")
@@ -248,10 +268,11 @@ class ChatTemplateEncoder:
             spans.append((start, end))
         return full, spans
 
-    def _layout(self, record: MLLMRecord, counts: dict[str, list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _layout(self, record: MLLMRecord, counts: dict[str, list[int]],
+                videos: list[VideoInfo]) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids and labels: a token is supervised when its characters lie inside an assistant span."""
         try:
-            full, spans = self._assistant_spans(record.messages, counts)
+            full, spans = self._assistant_spans(record.messages, counts, videos)
         except ValueError as err:
             raise self._bad(record, str(err), "template_error") from err
         encoded = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
@@ -274,6 +295,18 @@ class ChatTemplateEncoder:
         """A bad-record error naming the record (origin and id) with its fault class."""
         return MLLMRecordError(f"{record.origin}: record {record.record_id!r}: {what}", reason,
                                record_id=record.record_id)
+
+    def video_token_groups(self, info: VideoInfo) -> int:
+        """Equal groups of a video's tokens that the vision tower attends separately (the cost model's
+        ``SampleMeta.media_sq``): one per temporal patch for the kit's Qwen video processors (Qwen2-VL / Qwen3-VL
+        attend frame group by frame group), else 1 (the whole clip at once). Override where that is wrong."""
+        grid_thw = getattr(getattr(self, "video_processor", None), "grid_thw", None)
+        return int(grid_thw(info)[0]) if grid_thw is not None else 1
+
+    def _media_sq(self, counts: dict[str, list[int]], videos: list[VideoInfo]) -> int:
+        """``SampleMeta.media_sq``: each image's tokens squared, each video's per attention group."""
+        groups = [max(1, self.video_token_groups(info)) for info in videos]
+        return sum(n * n for n in counts["image"]) + sum(n * n // g for n, g in zip(counts["video"], groups))
 
     def _media_end(self, input_ids: torch.Tensor) -> int:
         positions = torch.isin(input_ids, self._placeholder_ids).nonzero()

@@ -2,7 +2,9 @@
 
 Both dataset kinds plan with the same ``MLLMPackingAssembler`` as the step estimate and the reports, so the
 packs served are exactly the packs counted. Packs are split across ranks round-robin (pack k goes to rank
-k mod world_size) and, inside a rank, across DataLoader workers the same way.
+k mod world_size) and, inside a rank, across DataLoader workers the same way. Under ``packing.balance=compute`` the
+plan's packs are first reordered, window by window, so that each optimizer step gives every rank a similar cost
+(``balance.py``; the counts per rank and the step count do not change).
 
 Memory does not grow with Python objects per record: records stay in a memory-mapped :class:`RecordStore` (or a
 small in-memory list), their measured metadata in numpy columns (:class:`SampleMetas`, cached on disk), and a plan
@@ -25,6 +27,8 @@ from torch.utils.data import Dataset, IterableDataset, Subset, get_worker_info
 from .accounting import RecordLedger
 from .assembler import Admission, MLLMPackingAssembler, OverlongSampleError
 from .bad_records import BadRecord, BadRecordReport
+from .balance import StepLayout, balance_rng, balanced_order
+from .cost import CostProfile, pack_costs
 from .measure import SampleMetas, default_cache_dir, measure_list, measure_store
 from .media import MLLMMediaHandler
 from .pack import MLLMPack
@@ -132,9 +136,15 @@ class _PackedDatasetBase:
 
     def __init__(self, records: list[MLLMRecord] | RecordStore, encoder: MLLMSampleEncoder,
                  data_spec: MLLMDataSpec, rank: int = 0, world_size: int = 1, drop_last: bool = False,
-                 media_handler: MLLMMediaHandler | None = None, bad_records: BadRecordReport | None = None):
+                 media_handler: MLLMMediaHandler | None = None, bad_records: BadRecordReport | None = None,
+                 micro_batch_size: int = 1, gradient_accumulation_steps: int = 1,
+                 cost_profile: CostProfile | None = None):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} is invalid for world_size={world_size}")
+        for name, value in (("micro_batch_size", micro_batch_size),
+                            ("gradient_accumulation_steps", gradient_accumulation_steps)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} is invalid: allowed an int >= 1")
         self.records = records
         self.encoder = encoder
         self.data_spec = data_spec
@@ -147,6 +157,10 @@ class _PackedDatasetBase:
         self.bad_records = bad_records or BadRecordReport(data_spec.on_bad_record, data_spec.max_bad_fraction)
         if not self.bad_records.records_read:
             self.bad_records.records_read = len(records)
+        # the step shape and the cost model: what balancing needs (packs per rank per step, FLOPs per pack)
+        self.micro_batch_size = micro_batch_size
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.cost_profile = cost_profile
         self.epoch = 0
         self._plans: dict[int, EpochPlan] = {}
         self._pack_counts: dict[int, int] = {}  # per epoch: a replayed plan is counted once, not at every replan
@@ -193,16 +207,48 @@ class _PackedDatasetBase:
         epoch = self.epoch if epoch is None else epoch
         if epoch not in self._plans:
             admission = self.admission
+            balance = self.packing_spec.balance == "compute"
             if self.stores_plan:
                 packs = PackArrays(self._groups(epoch))
+                if balance:
+                    packs = PackArrays(self._balanced(packs, len(packs), epoch))
             else:
                 packs = ReplayedPacks(lambda: self._groups(epoch), self._pack_counts.get(epoch))
-                self._pack_counts[epoch] = len(packs)
+                self._pack_counts[epoch] = count = len(packs)
+                if balance:
+                    packs = ReplayedPacks(lambda: self._balanced(self._groups(epoch), count, epoch), count)
             self._plans = {epoch: EpochPlan(epoch=epoch, packs=packs, admission=admission)}
         return self._plans[epoch]
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
+
+    def step_layout(self, num_packs: int, world_size: int | None = None) -> StepLayout:
+        """How an epoch of ``num_packs`` packs maps to ranks and optimizer steps (what balancing evens out), at this
+        dataset's world size or another (reports simulate ranks)."""
+        world_size = world_size or self.world_size
+        per_rank = self.micro_batch_size * self.gradient_accumulation_steps
+        served = num_packs
+        if self.drop_last:
+            served = micro_batches_per_rank(num_packs, self.micro_batch_size, world_size, True) \
+                * self.micro_batch_size * world_size
+        return StepLayout(world_size, per_rank, served)
+
+    def pack_costs(self, packs: list[list[int]]) -> np.ndarray:
+        """Useful forward + backward FLOPs of each pack as its own row (``cost.pack_costs``), from the admission's
+        packed lengths and the measured media columns alone: no model, no pixel."""
+        if self.cost_profile is None:
+            raise ValueError("packing.balance=compute needs the model's cost profile: pass cost_profile to "
+                             "MLLMDataKit.build_dataset (the trainer and tools/pack_report.py do)")
+        plan = PackArrays(iter(packs))
+        metas = self.metas
+        return pack_costs(self.cost_profile, plan.offsets, plan.members, self.admission.lengths,
+                          metas.media_tokens, metas.media_sq, metas.num_media)
+
+    def _balanced(self, packs, count: int, epoch: int) -> Iterator[list[int]]:
+        """The epoch's packs reordered by ``balance.balanced_order`` (deterministic: seed, epoch, costs)."""
+        return balanced_order(packs, self.step_layout(count), self.pack_costs, self.packing_spec.balance_window,
+                              balance_rng(self.packing_spec.seed, epoch))
 
     def rank_packs(self, epoch: int | None = None) -> RankPacks:
         """This rank's packs; an empty list stands for an all-padding row that keeps ranks in step. A view over
@@ -371,10 +417,14 @@ class MLLMDataKit:
     def build_dataset(data_spec: MLLMDataSpec, encoder: MLLMSampleEncoder, rank: int = 0, world_size: int = 1,
                       drop_last: bool = False, records: list[MLLMRecord] | RecordStore | None = None,
                       media_handler: MLLMMediaHandler | None = None,
-                      bad_records: BadRecordReport | None = None) -> MLLMPackedDataset | MLLMStreamingPackedDataset:
+                      bad_records: BadRecordReport | None = None, micro_batch_size: int = 1,
+                      gradient_accumulation_steps: int = 1,
+                      cost_profile: CostProfile | None = None) -> MLLMPackedDataset | MLLMStreamingPackedDataset:
         """The dataset of packs over the spec's sources (a :class:`RecordStore`), or over ``records`` when given;
         ``bad_records`` collects the records left out (made from the spec's policy when not given, and reachable
-        as ``dataset.bad_records``)."""
+        as ``dataset.bad_records``). ``micro_batch_size``, ``gradient_accumulation_steps`` and ``cost_profile`` (the
+        model's, ``mvp_engine.engine.flops.cost_profile``) are what ``packing.balance=compute`` needs: the packs of
+        one optimizer step and the cost of each."""
         bad_records = bad_records or BadRecordReport(data_spec.on_bad_record, data_spec.max_bad_fraction)
         records = MLLMDataKit.open_store(data_spec) if records is None else records
         packing = data_spec.packing
@@ -382,4 +432,5 @@ class MLLMDataKit:
             packing.strategy == "greedy" or packing.buffer_size < len(records))
         cls = MLLMStreamingPackedDataset if streaming else MLLMPackedDataset
         return cls(records, encoder, data_spec, rank=rank, world_size=world_size, drop_last=drop_last,
-                   media_handler=media_handler, bad_records=bad_records)
+                   media_handler=media_handler, bad_records=bad_records, micro_batch_size=micro_batch_size,
+                   gradient_accumulation_steps=gradient_accumulation_steps, cost_profile=cost_profile)

@@ -24,12 +24,19 @@ kind                      share   what it looks like
 A few single-image records have no ``<image>`` tag (the reader puts the image first, LLaVA convention), some
 put the tag after the question, and ~15% carry a system turn, so readers and encoders see every variant.
 
-Output: ``<out>/demo.jsonl`` (LLaVA style, image paths relative to it), ``<out>/images/*.png`` and
-``<out>/demo_manifest.json``; the manifest is written last and makes a repeated call with the same arguments
-a no-op. Every file is written atomically (temp file + rename), so ranks racing to create the same data set
-never read a half-written file.
+With ``videos=True`` (for recipes whose encoder takes video; LLaVA's does not, so its demo has none) ~5% of the
+records (at least one once ``num_samples >= 8``) are ``video`` records, LLaVA-Video style (``"video"`` + a
+``<video>`` tag): a clip of 8-24 frames at 4-10 fps, 64-160 px per side, in which one shape moves from one place
+to another past a still one, with questions about the motion ("Which way does the red circle move?"). Clips are
+H.264 in MP4 (PyAV, one encoder thread, so the bytes are the same on every machine with the same PyAV), 2-10 KB
+each. The rest of the mix keeps its kinds; the draws differ from the image-only set of the same seed.
 
-CLI: ``python -m mvp_engine.kit.mllm.data.demo --out DIR [--num-samples N] [--seed S]``.
+Output: ``<out>/demo.jsonl`` (LLaVA style, image and clip paths relative to it), ``<out>/images/*.png``,
+``<out>/videos/*.mp4`` and ``<out>/demo_manifest.json``; the manifest is written last and makes a repeated call
+with the same arguments a no-op. Every file is written atomically (temp file + rename), so ranks racing to create
+the same data set never read a half-written file.
+
+CLI: ``python -m mvp_engine.kit.mllm.data.demo --out DIR [--num-samples N] [--seed S] [--videos]``.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ import random
 from collections import Counter
 from pathlib import Path
 
+import av
 from PIL import Image, ImageDraw
 
 # Bump whenever the output for a given (num_samples, seed) changes, so existing directories are regenerated.
@@ -51,8 +59,10 @@ GENERATOR_VERSION = 1
 JSONL_NAME = "demo.jsonl"
 MANIFEST_NAME = "demo_manifest.json"
 IMAGE_DIR = "images"
+VIDEO_DIR = "videos"
 
 KIND_SHARES = {"multi_turn": 0.20, "describe": 0.07, "text_only": 0.10, "multi_image": 0.10, "overlong": 0.01}
+VIDEO_SHARE = 0.05  # the ``video`` kind, with ``videos=True``
 
 SHAPES = ("circle", "square", "triangle", "star", "diamond")
 COLOURS = {
@@ -79,22 +89,25 @@ SYSTEM_PROMPTS = (
 # --- public API ------------------------------------------------------------------------------------------------
 
 
-def write_demo_dataset(out_dir: str | os.PathLike, num_samples: int = 600, seed: int = 0) -> Path:
-    """Write the demo data set into ``out_dir`` and return the JSONL path; a no-op if it is already there."""
+def write_demo_dataset(out_dir: str | os.PathLike, num_samples: int = 600, seed: int = 0,
+                       videos: bool = False) -> Path:
+    """Write the demo data set into ``out_dir`` and return the JSONL path; a no-op if it is already there.
+    ``videos``: the mix gains ``video`` records with short generated clips."""
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
     out = Path(out_dir)
     jsonl = out / JSONL_NAME
-    if _is_complete(out, num_samples, seed):
+    if _is_complete(out, num_samples, seed, videos):
         return jsonl
-    (out / IMAGE_DIR).mkdir(parents=True, exist_ok=True)
-    records, images, kinds = _generate(num_samples, seed)
-    for rel, data in images.items():
+    records, files, kinds = _generate(num_samples, seed, videos)
+    for folder, pattern in ((IMAGE_DIR, "demo-*.png"), (VIDEO_DIR, "demo-*.mp4")):
+        (out / folder).mkdir(parents=True, exist_ok=True)
+        wanted = {Path(rel).name for rel in files if rel.startswith(f"{folder}/")}
+        for stale in (out / folder).glob(pattern):
+            if stale.name not in wanted:
+                stale.unlink(missing_ok=True)
+    for rel, data in files.items():
         _write_atomic(out / rel, data)
-    wanted = {Path(rel).name for rel in images}
-    for stale in (out / IMAGE_DIR).glob("demo-*.png"):
-        if stale.name not in wanted:
-            stale.unlink(missing_ok=True)
     body = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records).encode("utf-8")
     _write_atomic(jsonl, body)
     manifest = {
@@ -102,16 +115,19 @@ def write_demo_dataset(out_dir: str | os.PathLike, num_samples: int = 600, seed:
         "num_samples": num_samples,
         "seed": seed,
         "jsonl_sha256": hashlib.sha256(body).hexdigest(),
-        "images": sorted(images),
+        "images": sorted(rel for rel in files if rel.startswith(f"{IMAGE_DIR}/")),
         "kinds": dict(sorted(Counter(kinds).items())),
     }
+    if videos:  # only then: an image-only manifest stays what it always was
+        manifest["videos"] = sorted(rel for rel in files if rel.startswith(f"{VIDEO_DIR}/"))
     _write_atomic(out / MANIFEST_NAME, (json.dumps(manifest, indent=1) + "\n").encode("utf-8"))
     return jsonl
 
 
-def demo_kind_counts(num_samples: int) -> dict[str, int]:
+def demo_kind_counts(num_samples: int, videos: bool = False) -> dict[str, int]:
     """How many records of each kind ``write_demo_dataset`` produces for ``num_samples`` (seed-independent)."""
-    counts = {kind: round(share * num_samples) for kind, share in KIND_SHARES.items()}
+    shares = {**KIND_SHARES, **({"video": VIDEO_SHARE} if videos else {})}
+    counts = {kind: round(share * num_samples) for kind, share in shares.items()}
     if num_samples >= 8:
         counts = {kind: max(1, count) for kind, count in counts.items()}
     counts["single"] = num_samples - sum(counts.values())
@@ -123,19 +139,20 @@ def demo_kind_counts(num_samples: int) -> dict[str, int]:
 # --- completeness / files ------------------------------------------------------------------------------------
 
 
-def _is_complete(out: Path, num_samples: int, seed: int) -> bool:
+def _is_complete(out: Path, num_samples: int, seed: int, videos: bool) -> bool:
     try:
         manifest = json.loads((out / MANIFEST_NAME).read_text(encoding="utf-8"))
-        if (manifest["generator_version"], manifest["num_samples"], manifest["seed"]) != (
+        if (manifest["generator_version"], manifest["num_samples"], manifest["seed"], "videos" in manifest) != (
             GENERATOR_VERSION,
             num_samples,
             seed,
+            videos,
         ):
             return False
         body = (out / JSONL_NAME).read_bytes()
         if hashlib.sha256(body).hexdigest() != manifest["jsonl_sha256"]:
             return False
-        return all((out / rel).is_file() for rel in manifest["images"])
+        return all((out / rel).is_file() for rel in manifest["images"] + manifest.get("videos", []))
     except (OSError, ValueError, KeyError, TypeError):
         return False
 
@@ -149,12 +166,13 @@ def _write_atomic(path: Path, data: bytes) -> None:
 # --- generation ----------------------------------------------------------------------------------------------
 
 
-def _generate(num_samples: int, seed: int) -> tuple[list[dict], dict[str, bytes], list[str]]:
+def _generate(num_samples: int, seed: int, videos: bool = False) -> tuple[list[dict], dict[str, bytes], list[str]]:
+    """The records, every media file (path relative to the output folder -> bytes) and each record's kind."""
     plan_rng = random.Random(seed)
-    kinds = [kind for kind, count in demo_kind_counts(num_samples).items() for _ in range(count)]
+    kinds = [kind for kind, count in demo_kind_counts(num_samples, videos).items() for _ in range(count)]
     plan_rng.shuffle(kinds)
     records: list[dict] = []
-    images: dict[str, bytes] = {}
+    files: dict[str, bytes] = {}
     builders = {
         "single": _single,
         "multi_turn": _multi_turn,
@@ -166,13 +184,19 @@ def _generate(num_samples: int, seed: int) -> tuple[list[dict], dict[str, bytes]
     for index, kind in enumerate(kinds):
         rng = random.Random(seed * 1_000_003 + index * 7919 + 17)
         record_id = f"demo-{index:05d}"
-        record, scenes = builders[kind](rng)
+        out = {"id": record_id}
+        if kind == "video":
+            record, clip = _video(rng)
+            out["video"] = f"{VIDEO_DIR}/{record_id}.mp4"
+            files[out["video"]] = clip
+            scenes = []
+        else:
+            record, scenes = builders[kind](rng)
         names = []
         for k, scene in enumerate(scenes):
             rel = f"{IMAGE_DIR}/{record_id}" + (f"-{k}" if len(scenes) > 1 else "") + ".png"
-            images[rel] = _render(scene)
+            files[rel] = _render(scene)
             names.append(rel)
-        out = {"id": record_id}
         if len(names) == 1:
             out["image"] = names[0]
         elif names:
@@ -182,7 +206,7 @@ def _generate(num_samples: int, seed: int) -> tuple[list[dict], dict[str, bytes]
             conversations = [{"from": "system", "value": rng.choice(SYSTEM_PROMPTS)}] + conversations
         out["conversations"] = conversations
         records.append(out)
-    return records, images, kinds
+    return records, files, kinds
 
 
 class _Scene:
@@ -466,6 +490,56 @@ def _text_only(rng: random.Random):
     return turns, []
 
 
+# --- video ---------------------------------------------------------------------------------------------------
+
+
+def _video(rng: random.Random) -> tuple[list[dict], bytes]:
+    """A clip in which one shape moves from one cell to another past a still one, and questions about it."""
+    width, height = (2 * rng.randint(32, 80) for _ in range(2))  # even sides: H.264's yuv420p needs them
+    frames, fps = rng.randint(8, 24), rng.choice((4, 6, 8, 10))
+    background = rng.choice(sorted(BACKGROUNDS))
+    shape, still_shape = rng.sample(SHAPES, 2)
+    colour, still_colour = rng.sample(sorted(COLOURS), 2)
+    start, end, still = rng.sample([(r, c) for r in range(3) for c in range(3)], 3)
+    cell_w, cell_h = width / 3, height / 3
+    radius = 0.4 * min(cell_w, cell_h)
+    pictures = []
+    for k in range(frames):
+        t = k / (frames - 1)
+        row, col = (a + (b - a) * t for a, b in zip(start, end))
+        image = Image.new("RGB", (width, height), BACKGROUNDS[background])
+        draw = ImageDraw.Draw(image)
+        _draw_shape(draw, still_shape, (still[1] + 0.5) * cell_w, (still[0] + 0.5) * cell_h, radius,
+                    COLOURS[still_colour])
+        _draw_shape(draw, shape, (col + 0.5) * cell_w, (row + 0.5) * cell_h, radius, COLOURS[colour])
+        pictures.append(image)
+    qa = [(f"Which way does the {colour} {shape} move?", f"It moves from the {_position(start)} to the "
+           f"{_position(end)}."),
+          ("What colour is the moving shape?", f"It is {colour}; the {still_colour} {still_shape} stays still."),
+          ("Describe the video.", f"On a {background} background a {colour} {shape} moves from the "
+           f"{_position(start)} to the {_position(end)} in {frames / fps:.1f} seconds, past a {still_colour} "
+           f"{still_shape} that does not move.")]
+    rng.shuffle(qa)
+    turns = []
+    for k, (question, answer) in enumerate(qa[: rng.choice((1, 1, 2))]):
+        tagged = f"<video>\n{question}" if rng.random() < 0.85 else f"{question}\n<video>"
+        turns += [{"from": "human", "value": tagged if k == 0 else question}, {"from": "gpt", "value": answer}]
+    return turns, _encode_clip(pictures, fps)
+
+
+def _encode_clip(pictures: list[Image.Image], fps: int) -> bytes:
+    """H.264 in MP4, one encoder thread (x264's output depends on its thread count)."""
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = pictures[0].width, pictures[0].height, "yuv420p"
+        stream.codec_context.thread_count = 1
+        for picture in pictures:
+            container.mux(stream.encode(av.VideoFrame.from_image(picture)))
+        container.mux(stream.encode())
+    return buffer.getvalue()
+
+
 # --- CLI -----------------------------------------------------------------------------------------------------
 
 
@@ -474,8 +548,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--num-samples", type=int, default=600)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--videos", action="store_true", help="add short generated clips to the mix")
     args = parser.parse_args(argv)
-    path = write_demo_dataset(args.out, num_samples=args.num_samples, seed=args.seed)
+    path = write_demo_dataset(args.out, num_samples=args.num_samples, seed=args.seed, videos=args.videos)
     counts = json.loads((path.parent / MANIFEST_NAME).read_text(encoding="utf-8"))["kinds"]
     summary = ", ".join(f"{kind}={count}" for kind, count in counts.items())
     print(f"{path}  ({args.num_samples} records, seed {args.seed}; {summary})")

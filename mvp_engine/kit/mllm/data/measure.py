@@ -40,9 +40,10 @@ from .sample import MLLMRecord, MLLMSampleEncoder, SampleMeta
 from .sources import MLLMRecordError, parse_record
 from .store import RecordStore, SourceRows, digest
 
-MEASURE_FORMAT = 1  # bump when the cached columns change meaning
+MEASURE_FORMAT = 2  # bump when the cached columns change meaning (2: media_tokens, media_sq)
 ROWS_PER_WORKER = 2_000  # fewer rows than this per process: starting the process costs more than it saves
-META_COLUMNS = ("length", "num_media", "media_end", "first_supervised")
+META_COLUMNS = ("length", "num_media", "media_end", "first_supervised", "media_tokens", "media_sq")
+WIDE_COLUMNS = ("media_sq",)  # int64: a square of tens of thousands of tokens overflows int32
 BAD_COLUMNS = ("bad_stage", "bad_reason", "bad_message", "bad_id")
 DONE = "done.json"
 MEDIA = "media.arrow"
@@ -50,20 +51,24 @@ MEDIA = "media.arrow"
 
 @dataclass
 class SampleMetas:
-    """:class:`SampleMeta` of every record as int32 columns (16 bytes a record, not a Python object each);
-    ``usable`` is False for a record that could not be measured (it is in the bad-record report)."""
+    """:class:`SampleMeta` of every record as int32 columns (``media_sq`` int64; 29 bytes a record with ``usable``,
+    not a Python object each); ``usable`` is False for a record that could not be measured (it is in the bad-record
+    report)."""
 
     length: np.ndarray
     num_media: np.ndarray
     media_end: np.ndarray
     first_supervised: np.ndarray
+    media_tokens: np.ndarray
+    media_sq: np.ndarray
     usable: np.ndarray
 
     @classmethod
     def from_list(cls, metas: list[SampleMeta | None]) -> SampleMetas:
-        rows = [(m.length, m.num_media, m.media_end, m.first_supervised) if m else (0, 0, 0, 0) for m in metas]
-        columns = np.asarray(rows, dtype=np.int32).reshape(len(metas), 4).T
-        return cls(*columns, usable=np.asarray([m is not None for m in metas], dtype=bool))
+        rows = [tuple(getattr(m, name) for name in META_COLUMNS) if m else (0,) * len(META_COLUMNS) for m in metas]
+        columns = np.asarray(rows, dtype=np.int64).reshape(len(metas), len(META_COLUMNS)).T
+        return cls(*(column.astype(_dtype(name)) for name, column in zip(META_COLUMNS, columns)),
+                   usable=np.asarray([m is not None for m in metas], dtype=bool))
 
     def __len__(self) -> int:
         return len(self.length)
@@ -71,11 +76,14 @@ class SampleMetas:
     def __getitem__(self, index: int) -> SampleMeta | None:
         if not self.usable[index]:
             return None
-        return SampleMeta(int(self.length[index]), int(self.num_media[index]), int(self.media_end[index]),
-                          int(self.first_supervised[index]))
+        return SampleMeta(*(int(getattr(self, name)[index]) for name in META_COLUMNS))
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))
+
+
+def _dtype(column: str) -> type:
+    return np.int64 if column in WIDE_COLUMNS else np.int32
 
 
 def default_cache_dir() -> Path:
@@ -110,7 +118,7 @@ def measure_store(store: RecordStore, encoder: MLLMSampleEncoder, report: BadRec
     for (table, rows), source_fingerprint in zip(store.sources, store.fingerprints):
         measure = _Measure(rows, encoder, store.allow_leading_assistant)
         if not len(table):  # nothing to measure (``map`` over no rows returns no columns at all)
-            columns = {name: np.zeros(0, dtype=np.int32) for name in META_COLUMNS}
+            columns = {name: np.zeros(0, dtype=_dtype(name)) for name in META_COLUMNS}
             columns.update(usable=np.zeros(0, dtype=bool), bad=[])
         elif fingerprint is None:
             with tempfile.TemporaryDirectory() as scratch:
@@ -148,10 +156,10 @@ class _Measure:
                 record = parse_record(raw, origin, self.rows.image_root, self.allow_leading_assistant)
                 media, stage = record.media_paths, "measure"
                 meta = self.encoder.measure(record)
-                values, verdict = (meta.length, meta.num_media, meta.media_end, meta.first_supervised), (None,) * 4
+                values, verdict = tuple(getattr(meta, name) for name in META_COLUMNS), (None,) * 4
             except MLLMRecordError as err:
                 media = [err.media_path] if err.media_path else media
-                values, verdict = (0, 0, 0, 0), (stage, err.reason, str(err), err.record_id)
+                values, verdict = (0,) * len(META_COLUMNS), (stage, err.reason, str(err), err.record_id)
             for name, value in zip((*META_COLUMNS, *BAD_COLUMNS), (*values, *verdict)):
                 out[name].append(value)
             out["media"].append(media)
@@ -162,7 +170,8 @@ def _features():
     """The measured columns' types, declared: a batch whose verdicts are all None must not fix them as null."""
     import datasets
 
-    return datasets.Features({**{name: datasets.Value("int32") for name in META_COLUMNS},
+    return datasets.Features({**{name: datasets.Value("int64" if name in WIDE_COLUMNS else "int32")
+                                 for name in META_COLUMNS},
                               **{name: datasets.Value("string") for name in BAD_COLUMNS},
                               "media": datasets.List(datasets.Value("string"))})
 
@@ -211,7 +220,7 @@ def _cached_map(table, measure: _Measure, folder: Path, workers: int):
 def _columns(measured) -> dict:
     """Numpy meta columns, the usable mask and the verdict of each bad row (in row order), from a measured table."""
     table = measured.data.table
-    columns = {name: table.column(name).to_numpy().astype(np.int32) for name in META_COLUMNS}
+    columns = {name: table.column(name).to_numpy().astype(_dtype(name)) for name in META_COLUMNS}
     bad_mask = pc.is_valid(table.column("bad_reason")).to_numpy(zero_copy_only=False)
     bad_rows = np.flatnonzero(bad_mask)
     columns["usable"] = ~bad_mask

@@ -52,12 +52,18 @@ class SampleMeta:
     ``first_supervised`` is the index of the first supervised token after the first (the first token of a packed
     segment is never a target), ``length`` when there is none: a sample truncated to ``n <= first_supervised``
     tokens trains nothing and is dropped at plan time. 0 (an encoder that does not say) never drops.
+
+    ``media_tokens`` and ``media_sq`` size the sample's vision work for the cost model (``cost.py``) without any
+    pixel: the placeholder tokens of all its media items, and the sum over the groups the vision tower attends
+    separately (an image: one; a Qwen-style video: one per temporal patch) of the group's tokens squared.
     """
 
     length: int
     num_media: int = 0
     media_end: int = 0
     first_supervised: int = 0
+    media_tokens: int = 0
+    media_sq: int = 0
 
 
 def first_supervised_index(labels: torch.Tensor) -> int:
@@ -81,6 +87,7 @@ class MLLMSample:
     num_media: int = 0
     media_tokens: int = 0
     media_end: int = 0
+    media_sq: int = 0  # see SampleMeta.media_sq
 
     def __post_init__(self) -> None:
         if self.input_ids.dim() != 1 or self.labels.shape != self.input_ids.shape:
@@ -99,7 +106,8 @@ class MLLMSample:
 
     @property
     def meta(self) -> SampleMeta:
-        return SampleMeta(self.length, self.num_media, self.media_end, first_supervised_index(self.labels))
+        return SampleMeta(self.length, self.num_media, self.media_end, first_supervised_index(self.labels),
+                          self.media_tokens, self.media_sq)
 
     def truncated(self, max_len: int) -> MLLMSample:
         """Cut text tokens past ``max_len``; refuses to cut through media placeholders."""
@@ -116,6 +124,7 @@ class MLLMSample:
             num_media=self.num_media,
             media_tokens=self.media_tokens,
             media_end=self.media_end,
+            media_sq=self.media_sq,
         )
 
 

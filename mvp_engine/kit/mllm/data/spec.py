@@ -9,6 +9,7 @@ from hydra.core.config_store import ConfigStore
 
 STRATEGIES = ("greedy", "bfd")
 OVERLONG_POLICIES = ("drop", "error", "truncate")
+BALANCE_MODES = ("none", "compute")
 
 
 def _require(ok: bool, field_name: str, allowed: str, value: Any) -> None:
@@ -26,6 +27,11 @@ class MLLMPackingSpec:
     class) replaces the built-in algorithm. ``None`` caps mean unlimited. ``overlong``: what happens to a sample
     longer than ``max_seq_len``: ``drop`` (counted), ``error``, or ``truncate`` (text only; a sample whose media
     tokens run past the limit is dropped and counted instead).
+
+    ``balance``: how the epoch's packs are assigned to ranks and optimizer steps: ``none`` (pack ``k`` goes to rank
+    ``k mod world_size`` in planned order) or ``compute`` (packs of similar cost grouped into steps, the steps
+    shuffled, each step's packs spread over ranks so the most loaded rank carries as little as possible), one
+    window of ``balance_window`` steps at a time (``balance.py``). Needs the model's cost profile.
     """
 
     max_seq_len: int = 4096
@@ -37,6 +43,8 @@ class MLLMPackingSpec:
     overlong: str = "drop"
     seed: int = 0
     assembler_cls: Any = None
+    balance: str = "none"
+    balance_window: int = 64
 
     def __post_init__(self) -> None:
         _require(isinstance(self.max_seq_len, int) and self.max_seq_len >= 1, "max_seq_len", "an int >= 1",
@@ -54,6 +62,9 @@ class MLLMPackingSpec:
         _require(isinstance(self.seed, int) and self.seed >= 0, "seed", "an int >= 0", self.seed)
         _require(self.assembler_cls is None or isinstance(self.assembler_cls, (str, type)), "assembler_cls",
                  "null, a dotted path or a class", self.assembler_cls)
+        _require(self.balance in BALANCE_MODES, "balance", f"one of {list(BALANCE_MODES)}", self.balance)
+        _require(isinstance(self.balance_window, int) and self.balance_window >= 1, "balance_window",
+                 "an int >= 1 (optimizer steps per balancing window)", self.balance_window)
 
 
 BAD_RECORD_POLICIES = ("skip", "error")

@@ -1,5 +1,5 @@
-"""Videos -> ``pixel_values_videos`` and ``video_grid_thw`` as transformers' Qwen2-VL video processor lays them out,
-with numpy and PIL: that processor needs torchvision, which does not install beside this torch.
+"""Videos -> ``pixel_values_videos`` and ``video_grid_thw`` as transformers' Qwen2-VL and Qwen3-VL video processors lay
+them out, with numpy and PIL: those processors need torchvision, which does not install beside this torch.
 
 The layout (Qwen2-VL's, which Qwen2.5-VL and Qwen3-VL keep): the sampled frames, each resized to the one size
 ``smart_resize`` picks for the video (sides multiples of ``patch_size * merge_size``, ``min_pixels`` to
@@ -17,6 +17,14 @@ transformers' optional ``cap_pixels_per_frame`` (a total pixel budget per video)
 ``token_count`` needs the :class:`VideoInfo` only (metadata), so ``measure`` never decodes; ``__call__`` decodes the
 same frames and gives the same counts. Pixel values differ slightly from transformers' (PIL's bicubic resize of
 each RGB frame here, torchvision's bicubic on the frame tensor there); grids, token counts and layout are the same.
+
+:class:`Qwen3VideoProcessor` is ``Qwen3VLVideoProcessor`` (Qwen3-VL and Qwen3.5): the same patch layout, with
+``patch_size`` 16 and mean/std 0.5, but its own sampling (``n = int(frames / source fps * fps)`` clamped to
+``[min_frames, min(max_frames, frames)]``, not rounded to ``temporal_patch_size``, indices
+``np.linspace(0, frames - 1, n).round()``; the last group is filled by repeating the last frame), its own
+``smart_resize`` (transformers' function, over the whole clip: ``min_pixels`` / ``max_pixels`` bound frames x height x
+width, and a clip of fewer than ``temporal_patch_size`` sampled frames is refused), and the per-frame ``timestamps``
+``Qwen3VLProcessor`` writes into the text (the mean source time of each temporal patch's first and last frame).
 """
 
 from __future__ import annotations
@@ -54,6 +62,8 @@ class QwenVideoProcessor:
     image_mean: tuple[float, ...] = tuple(OPENAI_CLIP_MEAN)
     image_std: tuple[float, ...] = tuple(OPENAI_CLIP_STD)
 
+    video_processor_type = "Qwen2VLVideoProcessor"  # written into video_preprocessor_config.json
+
     def __post_init__(self):
         for field in fields(self):
             value = getattr(self, field.name)
@@ -83,7 +93,7 @@ class QwenVideoProcessor:
     def save_pretrained(self, directory: str | os.PathLike) -> None:
         settings = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("min_pixels", "max_pixels")}
         settings.update(size={"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels},
-                        do_sample_frames=True, video_processor_type="Qwen2VLVideoProcessor")
+                        do_sample_frames=True, video_processor_type=self.video_processor_type)
         (Path(directory) / CONFIG_NAME).write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
 
     def frame_indices(self, info: VideoInfo) -> list[int]:
@@ -139,3 +149,41 @@ class QwenVideoProcessor:
         t, h, w = count // step, height // patch, width // patch
         blocks = frames.reshape(t, step, channels, h // merge, merge, patch, w // merge, merge, patch)
         return blocks.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(t * h * w, channels * step * patch * patch)
+
+
+@dataclass(frozen=True)
+class Qwen3VideoProcessor(QwenVideoProcessor):
+    """``Qwen3VLVideoProcessor``'s sampling, clip-wide size and frame timestamps on the Qwen2-VL patch layout
+    (Qwen3-VL, Qwen3.5). ``min_pixels`` / ``max_pixels`` bound the whole clip (sampled frames x height x width)."""
+
+    min_pixels: int = 128 * 32 * 32
+    max_pixels: int = 768 * 32 * 32
+    patch_size: int = 16
+    image_mean: tuple[float, ...] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, ...] = (0.5, 0.5, 0.5)
+
+    video_processor_type = "Qwen3VLVideoProcessor"
+
+    def frame_indices(self, info: VideoInfo) -> list[int]:
+        """``Qwen3VLVideoProcessor.sample_frames`` with ``fps``."""
+        total = info.num_frames
+        count = min(max(int(total / info.fps * self.fps), self.min_frames), self.max_frames, total)
+        return np.linspace(0, total - 1, count).round().astype(int).tolist()
+
+    def frame_size(self, info: VideoInfo) -> tuple[int, int]:
+        """``(height, width)`` of every sampled frame: transformers' clip-wide ``smart_resize`` (raises for fewer
+        sampled frames than ``temporal_patch_size`` and for an aspect ratio over 200)."""
+        # imported here: the module pulls in transformers' video processing (about a second), which only Qwen3 needs
+        from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as clip_smart_resize
+
+        return clip_smart_resize(len(self.frame_indices(info)), info.height, info.width,
+                                 temporal_factor=self.temporal_patch_size, factor=self.patch_size * self.merge_size,
+                                 min_pixels=self.min_pixels, max_pixels=self.max_pixels)
+
+    def timestamps(self, info: VideoInfo) -> list[float]:
+        """Seconds of each temporal patch, as ``Qwen3VLProcessor`` computes them for the text: the sampled indices
+        (the last repeated to fill the last patch) over the source rate, first and last frame of a patch averaged."""
+        indices, step = self.frame_indices(info), self.temporal_patch_size
+        indices += indices[-1:] * (-len(indices) % step)
+        seconds = [index / info.fps for index in indices]
+        return [(seconds[i] + seconds[i + step - 1]) / 2 for i in range(0, len(seconds), step)]

@@ -1,0 +1,300 @@
+"""FLOPs and MFU: the kit's cost model (``mvp_engine.kit.mllm.data.cost``) filled in from a model, counted per batch.
+
+:func:`cost_profile` reads a transformers VLM, generically over recipes: the matmuls of every part from its parameter
+shapes (each ``nn.Linear`` costs 2 x in x out FLOPs per row it processes, a patch-embedding convolution 2 x its
+weight per patch, fused MoE experts 2 x their weight x top_k / num_experts per token), sorted into language model,
+output head, vision tower and projector by module name; attention per (query, key) pair from the config (4 x heads x
+head_dim per layer: QK^T and AV); the vision geometry from the config (``spatial_merge_size``, CLIP's CLS position
+under LLaVA's ``default`` feature strategy, the fixed image size of a stacked-image tower). It works on a model
+built on the meta device (:func:`planning_cost_profile`), so planning needs no weights.
+
+Backward: a matmul's backward computes the gradient of its input (when anything upstream trains) and of its weight
+(when the weight trains), each as many FLOPs as the forward; attention's backward is twice its forward when any
+gradient flows through it. Parameters no forward reaches (the recipe's ``unreachable_parameters``) cost their
+forward only. A recipe whose model this cannot read exposes ``cost_profile(model, unreachable) -> CostProfile``
+in its ``model.py`` (``Recipe.cost_profile``).
+
+:func:`batch_flops` counts a collated batch: useful FLOPs (real tokens, causal pairs per sample, the media) and
+executed FLOPs for the attention backend in use (``cost.attention_pairs``: a dense mask computes L^2 per row), plus
+the zero-weighted dummy media pass on micro-batches without media. Checked against torch's ``FlopCounterMode`` on
+every recipe's tiny model with the eager backend (``tests/test_flops.py``).
+
+MFU = useful FLOPs per second per device / the device's peak: ``train.peak_tflops``, else :data:`GPU_PEAK_TFLOPS`
+(dense bf16/fp16 tensor-core peaks) when training in bf16/fp16 on a GPU it names, else unknown (no MFU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from mvp_engine.kit.mllm.data import CostProfile, Rate, WorkUnits
+from mvp_engine.kit.mllm.data.cost import attention_pairs, causal_pairs, chunked_tokens
+from mvp_engine.kit.mllm.data.media import IMAGES, VIDEOS
+from mvp_engine.packing import unwrap_model
+
+VISION_NAMES = ("visual", "vision_tower", "vision_model")
+PROJECTOR_NAMES = ("multi_modal_projector", "merger", "projector")
+LINEAR_CHUNK = 64  # transformers' chunk_gated_delta_rule default
+FULL_ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention")  # sliding: counted as full
+
+# Dense bf16/fp16 tensor-core peaks in TFLOP/s (vendor data sheets, without sparsity), matched in this order against
+# torch.cuda.get_device_name(): the first substring found wins.
+GPU_PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("GB200", 2500.0), ("B200", 2250.0), ("H200", 989.4), ("H100 PCIe", 756.0), ("H100", 989.4), ("H800", 989.4),
+    ("H20", 148.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.1), ("L40", 181.0), ("L4", 121.0),
+    ("A6000", 154.8), ("RTX 4090", 165.2), ("A10", 125.0), ("V100", 125.0), ("MI300X", 1307.4), ("MI250X", 383.0),
+)
+
+
+# --- the profile ------------------------------------------------------------------------------------------------
+
+
+def _part(name: str) -> str:
+    """``head``, ``projector``, ``vision`` or ``language_model`` from a module's qualified name."""
+    pieces = name.split(".")
+    if any(piece in VISION_NAMES for piece in pieces):
+        return "projector" if any(p in piece for piece in pieces for p in PROJECTOR_NAMES) else "vision"
+    if any(p in piece for piece in pieces for p in PROJECTOR_NAMES):
+        return "projector"
+    return "language_model"
+
+
+def _group(name: str) -> str:
+    """The top-most projector module a module belongs to (each merger / projector is a chain of its own)."""
+    pieces = name.split(".")
+    for k, piece in enumerate(pieces):
+        if any(p in piece for p in PROJECTOR_NAMES):
+            # a ModuleList of mergers (Qwen3-VL's deepstack) holds one chain per index
+            return ".".join(pieces[:k + 2 if k + 1 < len(pieces) and pieces[k + 1].isdigit() else k + 1])
+    return name
+
+
+def _attention_width(config) -> int:
+    heads = int(config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
+    return heads * int(head_dim)
+
+
+def _linear_attention_core(text) -> int:
+    """Forward FLOPs per position of the chunked gated delta rule (transformers' torch reference, what packed
+    linear-attention layers run), summed over the linear-attention layers: per value head and chunk of C tokens,
+    the QK^T and K_beta K^T products (2 x 2 C^2 d_k), the intra-chunk read (2 C^2 d_v) and three state products
+    (3 x 2 C d_k d_v); the triangular solve is not a matmul and is left out."""
+    layers = sum(1 for kind in getattr(text, "layer_types", None) or () if kind == "linear_attention")
+    if not layers:
+        return 0
+    heads = int(text.linear_num_value_heads)
+    dk, dv, c = int(text.linear_key_head_dim), int(text.linear_value_head_dim), LINEAR_CHUNK
+    return layers * heads * (4 * c * dk + 2 * c * dv + 6 * dk * dv)
+
+
+def _full_attention_layers(text) -> int:
+    layer_types = getattr(text, "layer_types", None)
+    if not layer_types:
+        return int(text.num_hidden_layers)
+    return sum(1 for kind in layer_types if kind in FULL_ATTENTION_TYPES)
+
+
+@dataclass
+class _Matmul:
+    part: str  # language_model, head, vision, patch_embed, projector
+    forward: int  # FLOPs per row it processes
+    trains: bool
+    reached: bool
+    group: str  # the projector chain it belongs to
+
+
+def _matmuls(model: torch.nn.Module, unreachable: set[str], experts_share: float) -> list[_Matmul]:
+    head = model.get_output_embeddings()
+    found: list[_Matmul] = []
+    for name, module in model.named_modules():
+        part = "head" if module is head else _part(name)
+        weight = getattr(module, "weight", None)
+        if isinstance(module, torch.nn.Linear):
+            forward = 2 * module.in_features * module.out_features
+        elif isinstance(module, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)):
+            forward = 2 * weight.numel()  # per output position: a patch (kernel = stride), or a token (conv1d)
+            part = "patch_embed" if part == "vision" else part
+        else:
+            experts = [p for p in module.parameters(recurse=False) if p.dim() == 3]
+            if not experts or part != "language_model":
+                continue
+            forward, weight = round(2 * sum(p.numel() for p in experts) * experts_share), experts[0]
+        params = [f"{name}.{n}" if name else n for n, _ in module.named_parameters(recurse=False)]
+        found.append(_Matmul(part, forward, bool(weight.requires_grad),
+                             not all(p in unreachable for p in params), _group(name)))
+    return found
+
+
+RATE_OF_PART = {"language_model": "lm_token", "head": "lm_head_token", "projector": "projector_token",
+                "vision": "vision_position", "patch_embed": "vision_patch"}
+
+
+def cost_profile(model: torch.nn.Module, unreachable: Iterable[str] = ()) -> CostProfile:
+    """The cost profile of ``model`` as it will train (its ``requires_grad`` flags; ``unreachable``: parameters no
+    forward reaches, which cost no backward). Works on a meta-device model."""
+    model = unwrap_model(model)
+    config = model.config
+    text = config.get_text_config()
+    vision = getattr(config, "vision_config", None)
+    unreachable = set(unreachable)
+    experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
+    top_k = getattr(text, "num_experts_per_tok", None)
+    matmuls = _matmuls(model, unreachable, (top_k / experts) if experts and top_k else 1.0)
+    head = model.get_output_embeddings()
+    head_params = {id(p) for p in head.parameters()} if head is not None else set()
+
+    def trains(*parts: str) -> bool:
+        return any(p.requires_grad for n, p in model.named_parameters()
+                   if id(p) not in head_params and n not in unreachable
+                   and _part(n).replace("patch_embed", "vision") in parts)
+
+    vision_trains, projector_trains = trains("vision"), trains("projector")
+    lm_grad = trains("language_model") or vision_trains or projector_trains  # a gradient flows through the LM
+
+    rates = dict.fromkeys(RATE_OF_PART.values(), Rate())
+    chain_trains: dict[str, bool] = {}
+    for m in matmuls:
+        if m.part == "patch_embed":  # its input is pixels: no input gradient
+            grad_input = False
+        elif m.part == "vision":
+            grad_input = vision_trains
+        elif m.part == "projector":  # the first of a chain reads the vision tower's output
+            grad_input = vision_trains or chain_trains.get(m.group, False)
+            chain_trains[m.group] = chain_trains.get(m.group, False) or m.trains
+        else:
+            grad_input = lm_grad
+        backward = m.forward * (int(m.trains) + int(grad_input)) if m.reached else 0
+        key = RATE_OF_PART[m.part]
+        rates[key] = rates[key] + Rate(m.forward, backward)
+
+    lm_pair = 4 * _attention_width(text) * _full_attention_layers(text)
+    profile = {**rates, "lm_pair": Rate(lm_pair, 2 * lm_pair if lm_grad else 0)}
+    core = _linear_attention_core(text)
+    if core:
+        profile["lm_linear_token"] = Rate(core, 2 * core if lm_grad else 0)
+        profile["linear_chunk"] = LINEAR_CHUNK
+    if vision is not None:
+        width = int(getattr(vision, "embed_dim", None) or vision.hidden_size)
+        blocks = [(name, m) for name, m in model.named_modules()
+                  if _part(name) == "vision" and type(m).__name__.endswith("Attention")]
+        reached = [name for name, m in blocks
+                   if any(f"{name}.{n}" not in unreachable for n, _ in m.named_parameters())]
+        profile["vision_pair"] = Rate(4 * width * len(blocks), 8 * width * len(reached) if vision_trains else 0)
+        merge = int(getattr(vision, "spatial_merge_size", 1) or 1)
+        profile["patches_per_media_token"] = merge * merge
+        strategy = getattr(config, "vision_feature_select_strategy", None)
+        has_cls = "clip" in str(getattr(vision, "model_type", ""))
+        profile["extra_positions_per_item"] = 1 if has_cls and strategy == "default" else 0
+        if getattr(vision, "image_size", None) and merge == 1:
+            side = int(vision.image_size) // int(vision.patch_size)
+            profile["item_patches"] = side * side
+    return CostProfile(**profile)
+
+
+def recipe_cost_profile(recipe, model: torch.nn.Module) -> CostProfile:
+    """The recipe's own ``cost_profile`` hook when it has one, else :func:`cost_profile`."""
+    unreachable = recipe.unreachable_parameters(unwrap_model(model))
+    hook = getattr(recipe, "cost_profile", None)
+    return hook(model, unreachable) if hook is not None else cost_profile(model, unreachable)
+
+
+def planning_cost_profile(recipe, model_cfg) -> CostProfile:
+    """The profile ``Trainer`` uses, without weights: the recipe's model built on the meta device (its config
+    only, for a pretrained folder) with the run's freezing applied."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from .builders import to_plain
+    from .participation import freeze_parameters
+
+    cfg = to_plain(model_cfg) or {}
+    with torch.device("meta"):
+        if cfg.get("pretrained"):
+            model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(cfg["pretrained"]))
+        else:
+            model = recipe.build_model(model_cfg, "eager")
+    freeze_parameters(model, cfg.get("freeze") or [], recipe.unreachable_parameters(model))
+    return recipe_cost_profile(recipe, model)
+
+
+# --- counting a batch ---------------------------------------------------------------------------------------------
+
+
+def _media_units(profile: CostProfile, media: Mapping) -> WorkUnits:
+    """Vision work of the media fields of a batch (or of a recipe's dummy media kwargs)."""
+    tokens = squares = items = 0
+    ppt = profile.patches_per_media_token
+    for kind in (IMAGES, VIDEOS):
+        grid = media.get(kind.grid_key)
+        if grid is not None and grid.numel():
+            for t, h, w in grid.tolist():
+                n = t * h * w // ppt
+                tokens, squares, items = tokens + n, squares + n * n // max(1, t), items + 1
+        elif kind is IMAGES and media.get(kind.patch_key) is not None and media[kind.patch_key].dim() == 4:
+            count = int(media[kind.patch_key].shape[0])  # stacked images of one fixed size
+            n = profile.item_patches // ppt
+            tokens, squares, items = tokens + count * n, squares + count * n * n, items + count
+    return profile.media_units(tokens, squares, items)
+
+
+def _row_spans(segment_ids: torch.Tensor) -> list[list[tuple[int, bool]]]:
+    """Each row's runs of equal segment id, in order, as ``(length, real)`` (vectorised: rows are long)."""
+    rows, width = segment_ids.shape
+    if width == 0:
+        return [[] for _ in range(rows)]
+    is_start = torch.ones_like(segment_ids, dtype=torch.bool)
+    is_start[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    out = []
+    for row in range(rows):
+        starts = is_start[row].nonzero().view(-1)
+        lengths = torch.diff(starts, append=torch.tensor([width], device=starts.device))
+        real = segment_ids[row, starts] >= 0
+        out.append(list(zip(lengths.tolist(), real.tolist())))
+    return out
+
+
+@dataclass
+class BatchFlops:
+    useful: int
+    executed: int
+    useful_units: WorkUnits
+    executed_units: WorkUnits
+
+
+def batch_flops(profile: CostProfile, batch: Mapping, attention: str, dummy_media: Mapping | None = None,
+                packed: bool = True) -> BatchFlops:
+    """Useful and executed forward + backward FLOPs of one collated micro-batch on ``attention`` (``packed=False``:
+    the padded baseline, whose linear-attention layers run over whole rows)."""
+    segment_ids = batch["pack_segment_ids"]
+    rows, width = segment_ids.shape
+    spans = _row_spans(segment_ids)
+    media = _media_units(profile, batch)
+    effective = int((segment_ids >= 0).sum())
+    useful = media + WorkUnits(lm_tokens=effective, lm_linear_tokens=effective,
+                               lm_pairs=causal_pairs([n for row in spans for n, real in row if real]))
+    chunked = chunked_tokens(spans if packed else [[(width, True)]] * rows, profile.linear_chunk)
+    executed = media + WorkUnits(lm_tokens=rows * width, lm_pairs=attention_pairs(attention, spans, width),
+                                 lm_linear_tokens=chunked)
+    if dummy_media is not None and not int(batch["media_tokens"].sum()):
+        executed = executed + _media_units(profile, dummy_media)
+    return BatchFlops(profile.flops(useful), profile.flops(executed), useful, executed)
+
+
+# --- peaks ---------------------------------------------------------------------------------------------------------
+
+
+def device_peak_tflops(configured: float | None, mixed_precision: str,
+                       device: torch.device) -> tuple[float | None, str]:
+    """The peak MFU divides by, and where it came from: ``train.peak_tflops``, the table, or none."""
+    if configured:
+        return float(configured), "train.peak_tflops"
+    if device.type != "cuda" or mixed_precision not in ("bf16", "fp16"):
+        return None, f"unknown for {device.type} / mixed_precision={mixed_precision} (set train.peak_tflops)"
+    name = torch.cuda.get_device_name(device)
+    for key, peak in GPU_PEAK_TFLOPS:
+        if key in name:
+            return peak, f"table: {name} dense {mixed_precision}"
+    return None, f"{name} is not in the table (set train.peak_tflops)"

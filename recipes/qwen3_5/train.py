@@ -1,0 +1,15 @@
+"""Train Qwen3.5: ``python -m recipes.qwen3_5.train +packing=greedy`` (no ``+packing``: padded baseline)."""
+
+from __future__ import annotations
+
+from mvp_engine.engine.qwen import Qwen3SampleEncoder
+from mvp_engine.engine.recipe import Recipe
+from mvp_engine.engine.trainer import hydra_main
+
+from . import model, packed
+
+RECIPE = Recipe.from_modules("qwen3_5", model=model, packed=packed, encoder=Qwen3SampleEncoder)
+main = hydra_main(RECIPE)
+
+if __name__ == "__main__":
+    main()

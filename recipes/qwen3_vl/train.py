@@ -1,0 +1,15 @@
+"""Train Qwen3-VL: ``python -m recipes.qwen3_vl.train +packing=greedy`` (no ``+packing``: padded baseline)."""
+
+from __future__ import annotations
+
+from mvp_engine.engine.recipe import Recipe
+from mvp_engine.engine.trainer import hydra_main
+
+from . import model, packed
+from .encoder import Qwen3VLSampleEncoder
+
+RECIPE = Recipe.from_modules("qwen3_vl", model=model, packed=packed, encoder=Qwen3VLSampleEncoder)
+main = hydra_main(RECIPE)
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""``packing.balance``: packs grouped into steps by cost and spread over ranks, without changing what is trained.
+
+Why: balancing reorders the epoch's plan, and everything else (equal pack counts per rank, the step estimate,
+resume, determinism across ranks and restarts, drop_last) reads that order. Checked: the order is a permutation that
+keeps every count, the packs drop_last leaves out and the step count; ``balance: none`` is the planner's order,
+byte for byte; the stored and the streamed plan give the same order and resume mid-epoch; every rank computes the
+same plan; on a mix with uneven costs the per-step imbalance falls; a missing cost profile and a bad value fail
+with one line naming ``packing.balance``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mvp_engine.engine.config import ConfigError, resolve_run_specs
+from mvp_engine.engine.testing import compose_config
+from mvp_engine.kit.mllm.data import (
+    CostProfile,
+    MLLMDataKit,
+    MLLMDataSpec,
+    MLLMPackingSpec,
+    Rate,
+    StepLayout,
+    balanced_order,
+    imbalance_summary,
+)
+from mvp_engine.kit.mllm.data.balance import balance_rng, step_rank_costs
+from tests.fakes import FakeEncoder, fake_record
+
+# tokens cost 1, attention pairs a little, vision a lot: media-heavy packs are expensive
+PROFILE = CostProfile(lm_token=Rate(2, 4), lm_pair=Rate(0, 1), vision_position=Rate(40, 80), vision_pair=Rate(1, 2))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(0, 90), world_size=st.integers(1, 5), per_rank=st.integers(1, 4), window=st.integers(1, 4),
+       dropped=st.integers(0, 7), seed=st.integers(0, 3))
+def test_balanced_order_permutes_within_served_packs_and_evens_each_full_step(n, world_size, per_rank, window,
+                                                                               dropped, seed):
+    rng = np.random.default_rng(seed)
+    cost = rng.lognormal(0, 1, size=n)
+    packs = [[k] for k in range(n)]
+    served = max(0, n - dropped)
+    layout = StepLayout(world_size, per_rank, served)
+
+    def costs(chunk):
+        return cost[[p[0] for p in chunk]]
+
+    order = list(balanced_order(packs, layout, costs, window, balance_rng(seed, 0)))
+    again = list(balanced_order(packs, layout, costs, window, balance_rng(seed, 0)))
+    assert order == again, "not deterministic"
+    assert sorted(order) == packs, "a pack was lost or repeated"
+    assert order[served:] == packs[served:], "packs drop_last leaves out must stay where they are"
+    assert sorted(order[layout.full_end:served]) == packs[layout.full_end:served], "the tail left its step"
+    full, _ = step_rank_costs(costs(order), layout)
+    window_packs = window * layout.step_packs
+    for start in range(0, layout.full_end, window_packs):  # each window holds exactly its own packs
+        assert sorted(order[start:start + window_packs]) == packs[start:start + window_packs]
+    for row, step in zip(full, range(len(full))):
+        step_costs = costs(order[step * layout.step_packs:(step + 1) * layout.step_packs])
+        # LPT with equal counts: no rank exceeds the mean by more than the step's largest pack
+        assert row.max() <= row.mean() + step_costs.max() + 1e-9
+
+
+def test_balance_lowers_the_imbalance_of_an_uneven_mix():
+    rng = np.random.default_rng(0)
+    cost = np.where(rng.random(4000) < 0.3, rng.uniform(5, 10, 4000), rng.uniform(0.5, 1.5, 4000))
+    packs = [[k] for k in range(len(cost))]
+
+    def costs(chunk):
+        return cost[[p[0] for p in chunk]]
+
+    for per_rank in (1, 3):
+        layout = StepLayout(8, per_rank, len(packs))
+        order = list(balanced_order(packs, layout, costs, 64, balance_rng(0, 0)))
+        before, after = imbalance_summary(costs(packs), layout), imbalance_summary(costs(order), layout)
+        assert before["mean"] > 1.3 and after["mean"] <= 1.05 and after["p95"] <= 1.15, (before, after)
+
+
+def records(n: int = 150) -> list:
+    """Text samples of varied lengths next to media-heavy ones: packs of very different costs."""
+    return [fake_record(i, 3 + (i * 7) % 20, media=(3 if i % 4 == 0 else 0)) for i in range(n)]
+
+
+def dataset(strategy: str, balance: str, rank: int = 0, world_size: int = 3, micro_batch_size: int = 2,
+            accumulation: int = 1, drop_last: bool = False, buffer_size: int = 1000, profile=PROFILE):
+    packing = MLLMPackingSpec(max_seq_len=32, strategy=strategy, buffer_size=buffer_size, balance=balance,
+                              balance_window=2, seed=5)
+    return MLLMDataKit.build_dataset(MLLMDataSpec(packing=packing, seed=5), FakeEncoder(), rank=rank,
+                                     world_size=world_size, drop_last=drop_last, records=records(),
+                                     micro_batch_size=micro_batch_size, gradient_accumulation_steps=accumulation,
+                                     cost_profile=profile)
+
+
+@pytest.mark.parametrize("strategy", ["bfd", "greedy"])
+def test_balance_none_is_the_planners_order(strategy):
+    ds = dataset(strategy, "none")
+    assert list(ds.plan(0).packs) == list(ds._groups(0))
+
+
+@pytest.mark.parametrize("strategy,drop_last,accumulation", [("bfd", False, 1), ("greedy", True, 2),
+                                                             ("bfd", True, 3)])
+def test_balance_keeps_counts_steps_and_drops(strategy, drop_last, accumulation):
+    plain = dataset(strategy, "none", drop_last=drop_last, accumulation=accumulation)
+    balanced = dataset(strategy, "compute", drop_last=drop_last, accumulation=accumulation)
+    before, after = list(plain.plan(0).packs), list(balanced.plan(0).packs)
+    assert before != after and Counter(map(tuple, before)) == Counter(map(tuple, after))
+    assert len(balanced.rank_packs()) == len(plain.rank_packs())
+    assert balanced.estimate_total_steps(2, 2, accumulation) == plain.estimate_total_steps(2, 2, accumulation)
+    assert balanced.left_out_by_drop_last(2) == plain.left_out_by_drop_last(2)
+    layout = balanced.step_layout(len(after))
+    costs_before, costs_after = balanced.pack_costs(before), balanced.pack_costs(after)
+    assert imbalance_summary(costs_after, layout)["mean"] < imbalance_summary(costs_before, layout)["mean"]
+
+
+def test_stored_and_streamed_plans_balance_alike_and_every_rank_agrees():
+    stored = dataset("bfd", "compute")  # one buffer over the data set: a stored plan
+    streamed = dataset("bfd", "compute", buffer_size=149)  # windowed bfd: replayed, balanced window by window
+    assert type(stored).__name__ == "MLLMPackedDataset" and type(streamed).__name__ == "MLLMStreamingPackedDataset"
+    assert list(stored.plan(0).packs) == list(stored.plan(0).packs)
+    ranks = [dataset("bfd", "compute", rank=r) for r in range(3)]
+    served = [list(ds.rank_packs()) for ds in ranks]
+    plan = list(stored.plan(0).packs)
+    assert [p for k in range(len(served[0])) for r in range(3) if (p := served[r][k])] == plan
+    replayed = list(streamed.plan(0).packs)
+    assert replayed == list(streamed.plan(0).packs), "a replayed balanced plan must replay the same"
+
+
+@pytest.mark.parametrize("strategy", ["bfd", "greedy"])
+def test_a_balanced_epoch_resumes_mid_epoch(strategy):
+    full = [row["sample_ids"] for row in iterate(dataset(strategy, "compute"))]
+    resumed = dataset(strategy, "compute").starting_at(5)
+    assert [row["sample_ids"] for row in iterate(resumed)] == full[5:]
+
+
+def iterate(ds):
+    return list(ds) if hasattr(ds, "state_dict") else [ds[k] for k in range(len(ds))]
+
+
+def test_balance_needs_a_cost_profile_and_a_valid_value():
+    with pytest.raises(ValueError, match="packing.balance=compute needs the model's cost profile"):
+        dataset("bfd", "compute", profile=None).plan(0)
+    assert len(dataset("bfd", "none", profile=None).plan(0).packs) > 0
+    with pytest.raises(ValueError, match=r"packing.balance='fast' is invalid: allowed one of \['none', 'compute'\]"):
+        MLLMPackingSpec(balance="fast")
+    with pytest.raises(ValueError, match="packing.balance_window=0 is invalid"):
+        MLLMPackingSpec(balance_window=0)
+    with pytest.raises(ConfigError, match="packing.balance"):
+        resolve_run_specs(compose_config("qwen2_vl", ["+packing=bfd", "packing.balance=sometimes"]), ("eager",))
+
+
+def test_bench_balance_meets_the_targets_at_8_ranks(capsys):
+    """``tools/bench_balance.py`` (small): both mixes, balance compute within mean 1.05 / p95 1.15, exit 0."""
+    from tools.bench_balance import main
+
+    assert main(["--samples", "3000", "--per-rank", "1"]) == 0
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| llava") or
+             line.startswith("| video")]
+    assert len(table) == 4 and [line.split("|")[-2].strip() for line in table] == ["-", "OK", "-", "OK"]
