@@ -113,17 +113,22 @@ def test_overlong_error_names_the_record():
         dataset.plan()
 
 
-def test_measure_encode_mismatch_names_the_record():
+def test_a_sample_whose_encode_disagrees_with_its_measure_is_a_bad_record_that_leaves_the_pack():
+    """A media file rewritten after measuring (or an encoder bug) must not crash the step or shift the plan."""
     class LyingEncoder(FakeEncoder):
         def encode(self, record):
             sample = super().encode(record)
-            sample.input_ids, sample.labels = sample.input_ids[:-1], sample.labels[:-1]
+            if record.record_id == "r1":
+                sample.input_ids, sample.labels = sample.input_ids[:-1], sample.labels[:-1]
             return sample
 
     spec = MLLMDataSpec(packing=MLLMPackingSpec(max_seq_len=10, strategy="bfd"))
-    dataset = MLLMDataKit.build_dataset(spec, LyingEncoder(), records=[fake_record(0, 5)])
-    with pytest.raises(ValueError, match="fake.jsonl:1: encoder.measure gave 5 tokens but encode produced 4"):
-        dataset[0]
+    dataset = MLLMDataKit.build_dataset(spec, LyingEncoder(), records=[fake_record(0, 4), fake_record(1, 5)])
+    pack = dataset[0]
+    [bad] = pack["bad_records"]
+    assert (bad["origin"], bad["reason"], bad["stage"]) == ("fake.jsonl:2", "measure_encode_mismatch", "decode")
+    assert "encoder.measure gave 5 tokens but encode produced 4" in bad["message"]
+    assert pack["input_ids"].shape[-1] == 4, "only r0 (4 tokens) stays in the pack"
 
 
 def test_empty_sources_are_a_clear_error():

@@ -38,6 +38,8 @@ from .spec import MLLMDataSpec
 from .steps import estimate_total_steps, micro_batches_per_rank, packs_per_rank
 from .store import RecordStore
 
+MEASURE_ENCODE_MISMATCH = "measure_encode_mismatch"  # the bad-record reason of a sample that left its slot
+
 
 class PackArrays:
     """A stored plan: pack ``k`` is ``members[offsets[k]:offsets[k + 1]]`` (12 bytes a sample, not a list each)."""
@@ -299,8 +301,9 @@ class _PackedDatasetBase:
 
     def encode_pack(self, record_indices: list[int], epoch: int | None = None) -> dict:
         """The pack's model inputs plus ``bad_records``: samples whose decoding failed (a corrupt image body, a
-        decompression bomb) leave the pack, which is still served so every rank keeps in step; the trainer
-        counts and reports them (this may run in a DataLoader worker, whose own report nobody would read)."""
+        decompression bomb) or whose encode disagrees with its measure leave the pack, which is still served so
+        every rank keeps in step; the trainer counts and reports them (this may run in a DataLoader worker, whose
+        own report nobody would read)."""
         lengths = self.plan(epoch).lengths
         measured = self.metas.length
         samples, bad = [], []
@@ -311,9 +314,13 @@ class _PackedDatasetBase:
             except MLLMRecordError as err:
                 bad.append(BadRecord.from_error(err, "decode").to_dict())
                 continue
-            if sample.length != measured[i]:
-                raise ValueError(f"{record.origin}: encoder.measure gave {measured[i]} tokens but encode "
-                                 f"produced {sample.length}; the encoder breaks the measure/encode contract")
+            if sample.length != measured[i]:  # the plan holds a slot of the measured size: the sample cannot fit it
+                err = MLLMRecordError(
+                    f"{record.origin}: encoder.measure gave {measured[i]} tokens but encode produced {sample.length}: "
+                    "a media file changed after it was measured (the next start measures it again), or the encoder "
+                    "breaks the measure/encode contract", MEASURE_ENCODE_MISMATCH, record_id=record.record_id)
+                bad.append(BadRecord.from_error(err, "decode").to_dict())
+                continue
             samples.append(sample.truncated(lengths[i]) if lengths[i] < sample.length else sample)
         inputs = MLLMPack(samples, self.media_handler).to_model_inputs()
         inputs["bad_records"] = bad
