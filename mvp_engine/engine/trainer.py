@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from collections import Counter
 from contextlib import nullcontext
 from pathlib import Path
+from typing import NoReturn
 
 import hydra
 import torch
@@ -451,17 +453,23 @@ class Trainer:
 
 
 def run_recipe(cfg: DictConfig, recipe: Recipe) -> dict:
-    """Hydra entry body of every recipe: a bad config stops the run with one line naming the key; the process
-    group is torn down on every way out."""
+    """Hydra entry body of every recipe: a bad config or bad data stops the run with one line on stderr naming the
+    key or the record, exit status 1; the process group is torn down on every way out."""
     try:
-        trainer = Trainer(cfg, recipe)
-        return trainer.run()
+        return Trainer(cfg, recipe).run()
     except ConfigError as err:
-        raise SystemExit(f"config error: {err}") from None
+        _stop(f"config error: {err}")
     except (MLLMRecordError, TooManyBadRecords) as err:  # while planning, or while decoding (all ranks at one step)
-        raise SystemExit(f"data error: {err}") from None
+        _stop(f"data error: {err}")
     finally:
         end_processes()
+
+
+def _stop(line: str) -> NoReturn:
+    """Print the run's last line before the process group goes down (``SystemExit(line)`` would print it only
+    after: a launcher kills the other ranks as soon as one exits, so a slower rank's line would be lost)."""
+    print(line, file=sys.stderr, flush=True)
+    raise SystemExit(1) from None
 
 
 def hydra_main(recipe: Recipe):
