@@ -32,7 +32,6 @@ numbers as a dict for tests and other tools; printing and plotting only format t
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import os
@@ -53,27 +52,24 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from mvp_engine.engine.config import (  # noqa: E402
     ConfigError,
     RunSpecs,
-    TrainSpec,
     data_with_sources,
     resolve_run_specs,
 )
 from mvp_engine.engine.flops import planning_cost_profile  # noqa: E402
+from mvp_engine.engine.plan_report import batch_accounting, micro_batches, rank_rows  # noqa: E402,F401 (validate_recipe)
 from mvp_engine.engine.recipe import Recipe  # noqa: E402
 from mvp_engine.engine.testing import load_recipe  # noqa: E402
 from mvp_engine.kit.mllm.data import (  # noqa: E402
     CostProfile,
-    MLLMCollator,
     MLLMDataKit,
     balanced_order,
     imbalance_summary,
-    micro_batches_per_rank,
 )
 from mvp_engine.kit.mllm.data.balance import balance_rng  # noqa: E402
 
 REPORT_DEFAULTS = REPO_ROOT / "conf" / "report" / "default.yaml"
 JSON_NAME = "report.json"
 PNG_NAME = "pack_report.png"
-WIDTH_RULE = "longest pack of each micro-batch, rounded up to train.pad_to_multiple_of (as MLLMCollator pads)"
 UNIT_BINS_UP_TO = 60  # integer histograms get one bar per value up to this many distinct values
 
 
@@ -181,53 +177,6 @@ def histogram(values: list[float], bins: int, value_range: tuple[float, float] |
     else:
         counts, edges = np.histogram(values, bins=bins, range=value_range if values else (0, 1))
     return {"edges": [float(e) for e in edges], "counts": [int(c) for c in counts]}
-
-
-def rank_rows(dataset, rank: int, epoch: int) -> list[list[int]]:
-    """``rank``'s packs through the dataset's own ``rank_packs`` (a shallow copy shares the cached metadata)."""
-    view = dataset if rank == dataset.rank else copy.copy(dataset)
-    view.rank = rank
-    return list(view.rank_packs(epoch))
-
-
-def micro_batches(rows: list[list[int]], micro_batch_size: int, drop_last: bool) -> list[list[list[int]]]:
-    """Consecutive groups of ``micro_batch_size`` rows; a short last group survives unless ``drop_last``."""
-    groups = [rows[k:k + micro_batch_size] for k in range(0, len(rows), micro_batch_size)]
-    if drop_last and groups and len(groups[-1]) < micro_batch_size:
-        groups.pop()
-    return groups
-
-
-def batch_accounting(dataset, epoch: int, train: TrainSpec) -> dict:
-    """Padding and attention work of every micro-batch on every rank, as ``TokenAccounting.from_batch`` counts."""
-    lengths = dataset.plan(epoch).lengths.tolist()
-    collator = MLLMCollator(pad_token_id=0, pad_to_multiple_of=train.pad_to_multiple_of)
-    totals = dict.fromkeys(("micro_batches", "rows", "all_padding_rows", "slots", "effective_tokens",
-                            "attention_work", "dense_attention_work"), 0)
-    for rank in range(dataset.world_size):
-        for group in micro_batches(rank_rows(dataset, rank, epoch), train.micro_batch_size, train.drop_last):
-            segments = [[lengths[i] for i in pack] for pack in group]
-            width = collator.padded_length(max(sum(row) for row in segments))
-            totals["micro_batches"] += 1
-            totals["rows"] += len(group)
-            totals["all_padding_rows"] += sum(1 for pack in group if not pack)
-            totals["slots"] += len(group) * width
-            totals["effective_tokens"] += sum(sum(row) for row in segments)
-            totals["attention_work"] += sum(n * n for row in segments for n in row)
-            totals["dense_attention_work"] += len(group) * width * width
-    num_packs = len(dataset.plan(epoch).packs)
-    return {
-        "width_rule": WIDTH_RULE,
-        "world_size": dataset.world_size,
-        "micro_batch_size": train.micro_batch_size,
-        "drop_last": train.drop_last,
-        "pad_to_multiple_of": train.pad_to_multiple_of,
-        "micro_batches_per_rank": micro_batches_per_rank(num_packs, train.micro_batch_size, dataset.world_size,
-                                                         train.drop_last),
-        **totals,
-        "padding_ratio": 1.0 - totals["effective_tokens"] / totals["slots"] if totals["slots"] else 0.0,
-        "attention_work_ratio": _ratio(totals["attention_work"], totals["dense_attention_work"]),
-    }
 
 
 def compute_costs(dataset, epoch: int, balance_ranks: int) -> dict:
