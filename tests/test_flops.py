@@ -19,6 +19,7 @@ from mvp_engine.engine.testing import collate_rows, equivalence_case
 from mvp_engine.engine.testkit.flops import check_flop_count
 from mvp_engine.kit.mllm.data import CostProfile, Rate, WorkUnits, pack_costs
 from mvp_engine.kit.mllm.data.cost import attention_pairs, causal_pairs, pack_units
+from mvp_engine.packing import packed_inputs
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p.parent.name for p in (REPO_ROOT / "recipes").glob("*/train.py"))
@@ -73,11 +74,15 @@ def test_pack_cost_from_metadata_equals_the_useful_flops_of_the_encoded_pack(nam
 
 def test_attention_pairs_per_backend():
     rows = [[(3, True), (2, True), (3, False)], [(8, True)]]
-    assert attention_pairs("eager", rows, 8) == attention_pairs("sdpa", rows, 8) == 2 * 64
-    assert attention_pairs("sdpa_varlen", rows, 8) == 6 + 3 + 6 + 36  # causal per span, padding runs included
-    assert attention_pairs("flash_attention_2", rows, 8) == 51
-    assert attention_pairs("flex_attention", rows, 8) == 2 * 128 * 128  # one tile per row
-    assert attention_pairs("flex_attention", [[(200, True), (100, True)]], 300) == 5 * 128 * 128  # tiles 00 10 11 21 22
+
+    def pairs(backend, spans=rows, width=8):
+        return attention_pairs(packed_inputs(backend), spans, width)
+
+    assert pairs("eager") == pairs("sdpa") == pairs("some_future_backend") == 2 * 64  # unknown: counted dense
+    assert pairs("sdpa_varlen") == 6 + 3 + 6 + 36  # causal per span, padding runs included
+    assert pairs("flash_attention_2") == pairs("flash_attention_3") == 51
+    assert pairs("flex_attention") == 2 * 128 * 128  # one tile per row
+    assert pairs("flex_attention", [[(200, True), (100, True)]], 300) == 5 * 128 * 128  # tiles 00 10 11 21 22
     assert causal_pairs([3, 2]) == 9
 
 

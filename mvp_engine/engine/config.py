@@ -13,12 +13,11 @@ from transformers import SchedulerType
 
 from mvp_engine.kit.mllm.data import MLLMDataSpec, MLLMPackingAssembler, MLLMPackingSpec
 from mvp_engine.kit.mllm.data.demo import write_demo_dataset
-from mvp_engine.packing import SDPA_VARLEN
+from mvp_engine.packing import ATTENTION_BACKENDS, BACKENDS, SDPA_VARLEN
 
 from . import run_dir  # noqa: F401  (registers the ${run_stamp:...} resolver the configs use)
 from .loss import REDUCTIONS
 
-ATTENTION_BACKENDS = ("eager", "sdpa", "sdpa_varlen", "flex_attention", "flash_attention_2", "flash_attention_3")
 AUTO_ATTENTION = "auto"  # resolved per machine and run kind by resolve_attention
 MIXED_PRECISION = ("no", "bf16", "fp16")
 # The Hydra config root: conf/<recipe>.yaml is each recipe's primary config.
@@ -137,13 +136,13 @@ def check_attention(name: str, supported: tuple[str, ...], training: bool = True
                           f"{[AUTO_ATTENTION, *ATTENTION_BACKENDS]}")
     if name not in supported:
         raise ConfigError(f"attention.implementation={name!r} is not supported here: allowed {list(supported)}")
-    if name == "flex_attention" and training and not torch.cuda.is_available():
+    backend = BACKENDS[name]
+    if backend.package is not None:
+        if not torch.cuda.is_available() or importlib.util.find_spec(backend.package) is None:
+            raise ConfigError(f"attention.implementation={name!r} needs a CUDA GPU and the {backend.package} package")
+    elif backend.needs_cuda and training and not torch.cuda.is_available():
         raise ConfigError(f"attention.implementation={name!r} needs a CUDA GPU to train: torch's FlexAttention has no "
                           "CPU backward (forward-only checks run on CPU)")
-    if name.startswith("flash_attention"):
-        package = "flash_attn_interface" if name.endswith("3") else "flash_attn"
-        if not torch.cuda.is_available() or importlib.util.find_spec(package) is None:
-            raise ConfigError(f"attention.implementation={name!r} needs a CUDA GPU and the {package} package")
 
 
 def resolve_attention(name: str, supported: tuple[str, ...], packed: bool) -> str:

@@ -33,7 +33,7 @@ import torch
 from mvp_engine.kit.mllm.data import CostProfile, Rate, WorkUnits
 from mvp_engine.kit.mllm.data.cost import attention_pairs, causal_pairs, chunked_tokens
 from mvp_engine.kit.mllm.data.media import IMAGES, VIDEOS
-from mvp_engine.packing import unwrap_model
+from mvp_engine.packing import packed_inputs, unwrap_model
 
 VISION_NAMES = ("visual", "vision_tower", "vision_model")
 PROJECTOR_NAMES = ("multi_modal_projector", "merger", "projector")
@@ -276,8 +276,8 @@ def batch_flops(profile: CostProfile, batch: Mapping, attention: str, dummy_medi
     useful = media + WorkUnits(lm_tokens=effective, lm_linear_tokens=effective,
                                lm_pairs=causal_pairs([n for row in spans for n, real in row if real]))
     chunked = chunked_tokens(spans if packed else [[(width, True)]] * rows, profile.linear_chunk)
-    executed = media + WorkUnits(lm_tokens=rows * width, lm_pairs=attention_pairs(attention, spans, width),
-                                 lm_linear_tokens=chunked)
+    pairs = attention_pairs(packed_inputs(attention), spans, width)
+    executed = media + WorkUnits(lm_tokens=rows * width, lm_pairs=pairs, lm_linear_tokens=chunked)
     if dummy_media is not None and not int(batch["media_tokens"].sum()):
         executed = executed + _media_units(profile, dummy_media)
     return BatchFlops(profile.flops(useful), profile.flops(executed), useful, executed)

@@ -3,7 +3,6 @@
 from . import varlen_sdpa  # noqa: F401  (registers the sdpa_varlen backend with transformers)
 from .attention import (
     FORBIDDEN_MODEL_KWARGS,
-    SDPA_VARLEN,
     attention_mask_for,
     block_causal_mask,
     check_packed_model_kwargs,
@@ -14,16 +13,23 @@ from .attention import (
     flash_varlen_kwargs,
     flex_block_mask,
     is_block_mask,
-    is_flash,
     row_segments,
     segment_positions,
     segment_run_ids,
     sub_model_attention,
-    takes_varlen_kwargs,
     validate_segment_ids,
 )
+from .backends import (
+    ATTENTION_BACKENDS,
+    BACKENDS,
+    FLASH_BACKENDS,
+    SDPA_VARLEN,
+    AttentionBackend,
+    is_flash,
+    packed_inputs,
+    takes_varlen_kwargs,
+)
 from .inputs import (
-    PACKED_BACKENDS,
     check_media_placement,
     check_model_backend,
     language_model_attn_implementation,
@@ -32,7 +38,6 @@ from .inputs import (
     prepare_packed_inputs,
     prepare_padded_inputs,
     text_positions,
-    unwrap_model,
 )
 from .linear_attention import (
     enable_linear_attention_packing,
@@ -40,10 +45,14 @@ from .linear_attention import (
     has_linear_attention,
     linear_attention_enabled,
 )
+from .unwrap import unwrap_model
 
 __all__ = [
+    "ATTENTION_BACKENDS",
+    "AttentionBackend",
+    "BACKENDS",
+    "FLASH_BACKENDS",
     "FORBIDDEN_MODEL_KWARGS",
-    "PACKED_BACKENDS",
     "SDPA_VARLEN",
     "attention_mask_for",
     "block_causal_mask",
@@ -64,6 +73,7 @@ __all__ = [
     "language_model_attn_implementation",
     "linear_attention_enabled",
     "media_owners",
+    "packed_inputs",
     "packed_attention_kwargs",
     "prepare_packed_inputs",
     "prepare_padded_inputs",

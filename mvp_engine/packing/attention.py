@@ -35,15 +35,13 @@ from typing import Any
 
 import torch
 
-from mvp_engine.kit.mllm.data.media import OWNER_KEYS
+from mvp_engine.kit.mllm.data.collator import BATCH_ONLY_FIELDS
 
-FLASH_PREFIX = "flash_attention"
-SDPA_VARLEN = "sdpa_varlen"  # mvp_engine/packing/varlen_sdpa.py registers it with transformers
-FLEX = "flex_attention"
-# Batch fields whose names a transformers model would consume with a different meaning (first two), or that only
-# the engine reads (bookkeeping, labels: the engine computes the loss from the logits).
-FORBIDDEN_MODEL_KWARGS = ("cu_seqlens", "max_seqlen", "sample_ids", "media_tokens", "source_sample_num",
-                          "pack_segment_ids", *sorted(OWNER_KEYS), "labels")
+from .backends import FLEX, takes_varlen_kwargs
+
+# The collator's batch-only fields: some a transformers model would consume with another meaning (cu_seqlens,
+# max_seqlen), the rest only the engine reads (bookkeeping, labels: the engine computes the loss from the logits).
+FORBIDDEN_MODEL_KWARGS = tuple(sorted(BATCH_ONLY_FIELDS))
 
 
 def validate_segment_ids(segment_ids: torch.Tensor) -> None:
@@ -189,15 +187,6 @@ def flash_varlen_kwargs(segment_ids: torch.Tensor) -> dict[str, Any]:
         "max_length_q": max_length,
         "max_length_k": max_length,
     }
-
-
-def is_flash(attn_implementation: str) -> bool:
-    return attn_implementation.startswith(FLASH_PREFIX)
-
-
-def takes_varlen_kwargs(attn_implementation: str) -> bool:
-    """Backends that pack through ``cu_seq_lens_q/k`` + ``max_length_q/k`` and no mask: flash and sdpa_varlen."""
-    return is_flash(attn_implementation) or attn_implementation == SDPA_VARLEN
 
 
 def sub_model_attention(attn_implementation: str, vision_shares: tuple[str, ...] = ("eager", "sdpa")) -> dict[str, str]:

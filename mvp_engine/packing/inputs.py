@@ -29,19 +29,11 @@ from .attention import (
     ensure_no_batch_fields,
     flash_varlen_kwargs,
     segment_positions,
-    takes_varlen_kwargs,
     validate_segment_ids,
 )
+from .backends import ATTENTION_BACKENDS, takes_varlen_kwargs
 from .linear_attention import BOUNDARIES, ensure_linear_attention_boundaries, has_linear_attention
-
-PACKED_BACKENDS = ("eager", "sdpa", "sdpa_varlen", "flex_attention", "flash_attention_2", "flash_attention_3")
-
-
-def unwrap_model(model):
-    """The transformers model inside a DDP / accelerate wrapper (which hide ``config`` and ``dtype``)."""
-    while hasattr(model, "module") and not hasattr(model, "config"):
-        model = model.module
-    return model
+from .unwrap import unwrap_model
 
 
 def language_model_attn_implementation(model) -> str:
@@ -122,7 +114,7 @@ def packed_attention_kwargs(batch: Mapping[str, Any], attn_implementation: str, 
             raise ValueError("batch cu_seqlens disagree with pack_segment_ids")
     if takes_varlen_kwargs(attn_implementation):
         return varlen
-    if attn_implementation not in PACKED_BACKENDS:
+    if attn_implementation not in ATTENTION_BACKENDS:
         raise NotImplementedError(f"packed attention for {attn_implementation!r} is not implemented")
     mask = {"attention_mask": attention_mask_for(segment_ids, attn_implementation, dtype)}
     return {**mask, BOUNDARIES: varlen[BOUNDARIES]} if boundaries else mask
@@ -136,7 +128,7 @@ def prepare_packed_inputs(
     position_ids: torch.Tensor,
     position_rows: int,
     media: Mapping[str, Any],
-    supported: tuple[str, ...] = PACKED_BACKENDS,
+    supported: tuple[str, ...] = ATTENTION_BACKENDS,
 ) -> dict[str, Any]:
     """Model kwargs of a packed batch: ``input_ids``, the recipe's ``position_ids`` and ``media``, the backend's
     attention inputs and ``use_cache=False``, checked by every guard (``position_rows``: 1 for (B, L) positions,

@@ -55,6 +55,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .unwrap import unwrap_model
+
 LINEAR_ATTENTION = "linear_attention"  # the layer_types entry of a linear-attention layer
 BOUNDARIES = "cu_seq_lens_q"  # the kwarg the model hands its linear-attention layers (over the flattened B*L tokens)
 CONV = "causal_conv1d_fn"
@@ -65,20 +67,14 @@ SUPPORTED_LAYERS = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3Nex
 _MARK = "_packs_by_boundaries"  # set on our wrappers: the install is idempotent and the guard can see it
 
 
-def _unwrap(model):
-    while hasattr(model, "module") and not hasattr(model, "config"):
-        model = model.module
-    return model
-
-
 def linear_attention_layers(model) -> list[torch.nn.Module]:
     """The model's linear-attention (Gated DeltaNet) layer modules; empty for a model without any."""
-    return [m for m in _unwrap(model).modules() if type(m).__name__.endswith("GatedDeltaNet")]
+    return [m for m in unwrap_model(model).modules() if type(m).__name__.endswith("GatedDeltaNet")]
 
 
 def has_linear_attention(model) -> bool:
     """True when any config of the model lists a ``linear_attention`` layer or it holds a Gated DeltaNet module."""
-    config = _unwrap(model).config
+    config = unwrap_model(model).config
     for cfg in (config, getattr(config, "text_config", None)):
         if LINEAR_ATTENTION in (getattr(cfg, "layer_types", None) or ()):
             return True

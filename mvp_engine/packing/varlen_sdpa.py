@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
 
-SDPA_VARLEN = "sdpa_varlen"
+from .backends import SDPA_VARLEN
 
 
 def _spans_from_padding_mask(attention_mask: torch.Tensor | None, batch: int, length: int) -> list[tuple[int, int]]:

@@ -11,8 +11,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from mvp_engine.kit.mllm.data import MLLMSampleEncoder
+from mvp_engine.packing import ATTENTION_BACKENDS, BACKENDS, is_flash
 
-from ..config import ATTENTION_BACKENDS, CONF_DIR, check_attention, resolve_run_specs
+from ..config import CONF_DIR, check_attention, resolve_run_specs
 from ..recipe import Recipe
 
 PACKINGS = (None, "greedy", "bfd")
@@ -63,12 +64,12 @@ def runnable_backends(recipe: Recipe, training: bool = True) -> list[str]:
 def forward_backends(recipe: Recipe) -> list[str]:
     """The recipe's backends whose forward this machine runs in fp32 (flash needs CUDA and half precision, so it
     is never one of these: its kwargs are checked on CPU by ``check_flash_kwargs_with_reference_attention``)."""
-    return [b for b in runnable_backends(recipe, training=False) if not b.startswith("flash")]
+    return [b for b in runnable_backends(recipe, training=False) if not is_flash(b)]
 
 
 def backward_available(backend: str) -> bool:
     """torch's FlexAttention has no CPU backward; everything else differentiates anywhere it runs."""
-    return backend != "flex_attention" or torch.cuda.is_available()
+    return not BACKENDS[backend].needs_cuda or torch.cuda.is_available()
 
 
 def check_all_combinations_compose(name: str) -> int:

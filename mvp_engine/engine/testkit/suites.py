@@ -19,8 +19,9 @@ import sys
 import pytest
 
 import mvp_engine.engine.testing as kit
+from mvp_engine.packing import ATTENTION_BACKENDS
 
-from ..config import ATTENTION_BACKENDS, ConfigError, check_attention
+from ..config import ConfigError, check_attention
 
 
 class RecipeSuite:

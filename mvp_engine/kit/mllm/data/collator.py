@@ -11,8 +11,11 @@ from .media import OWNER_KEYS, MLLMMediaHandler
 from .pack import TOKEN_FIELDS
 from .sample import IGNORE_INDEX
 
-NON_MEDIA_FIELDS = set(TOKEN_FIELDS) | OWNER_KEYS | {"source_sample_num", "cu_seqlens", "max_seqlen", "media_tokens",
-                                                     "sample_ids", "bad_records"}
+# Fields of a batch that only the engine reads (segment ids and labels, bookkeeping, media owners, faults in
+# transit): never a model kwarg (``mvp_engine.packing`` refuses them), never media to merge.
+BATCH_ONLY_FIELDS = frozenset({"labels", "pack_segment_ids", "source_sample_num", "cu_seqlens", "max_seqlen",
+                               "media_tokens", "sample_ids", "bad_records", *OWNER_KEYS})
+NON_MEDIA_FIELDS = set(TOKEN_FIELDS) | BATCH_ONLY_FIELDS
 
 
 class MLLMCollator:

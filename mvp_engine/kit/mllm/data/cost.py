@@ -39,11 +39,12 @@ UNIT_OF_RATE = {"lm_token": "lm_tokens", "lm_head_token": "lm_tokens", "lm_pair"
                 "vision_patch": "vision_patches", "vision_position": "vision_positions", "vision_pair": "vision_pairs",
                 "projector_token": "media_tokens"}
 
-# How attention backends spend pairs (``attention_pairs``): a dense mask over the padded row, causal kernels per span
-# (each row's padding run is a span), or block-sparse kernels (128 x 128 tiles any allowed pair falls in).
-DENSE_BACKENDS = ("eager", "sdpa")
-SPAN_BACKENDS = ("sdpa_varlen", "flash_attention_2", "flash_attention_3")
-BLOCK_BACKENDS = ("flex_attention",)
+# How a backend takes a packed row, which decides the pairs it computes (``attention_pairs``): a dense mask over the
+# padded row, causal kernels per span (varlen: each row's padding run is a span), or a block-sparse mask (128 x 128
+# tiles any allowed pair falls in). ``mvp_engine.packing.backends`` gives each backend its kind.
+DENSE_MASK = "dense_mask"
+VARLEN = "varlen"
+BLOCK_MASK = "block_mask"
 FLEX_BLOCK = 128
 
 
@@ -141,17 +142,17 @@ def causal_pairs(lengths) -> int:
     return int((lengths * (lengths + 1) // 2).sum())
 
 
-def attention_pairs(backend: str, row_spans: list[list[tuple[int, bool]]], width: int) -> int:
-    """(query, key) pairs the backend's kernel computes for rows of ``width`` slots, each row given as its spans in
-    order, ``(length, real)`` (padding runs are spans with ``real=False``).
+def attention_pairs(packed_inputs: str, row_spans: list[list[tuple[int, bool]]], width: int) -> int:
+    """(query, key) pairs a kernel taking ``packed_inputs`` computes for rows of ``width`` slots, each row given as
+    its spans in order, ``(length, real)`` (padding runs are spans with ``real=False``).
 
-    Dense-mask backends (eager, sdpa) compute every pair of the padded row: ``width**2`` per row. Varlen kernels
+    A dense mask (eager, sdpa) computes every pair of the padded row: ``width**2`` per row. Varlen kernels
     (sdpa_varlen, flash) run causal attention per span, padding runs included: n(n+1)/2 per span (a causal kernel
-    skips the upper triangle; tile rounding is ignored). flex_attention computes every 128 x 128 tile that holds an
-    allowed pair. Any other backend is counted like a dense mask."""
-    if backend in SPAN_BACKENDS:
+    skips the upper triangle; tile rounding is ignored). A block mask (flex_attention) computes every 128 x 128 tile
+    that holds an allowed pair. Any other kind is counted like a dense mask."""
+    if packed_inputs == VARLEN:
         return sum(n * (n + 1) // 2 for row in row_spans for n, _ in row)
-    if backend in BLOCK_BACKENDS:
+    if packed_inputs == BLOCK_MASK:
         return sum(_flex_tiles(row) for row in row_spans) * FLEX_BLOCK * FLEX_BLOCK
     return len(row_spans) * width * width
 
