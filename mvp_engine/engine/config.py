@@ -11,7 +11,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from transformers import SchedulerType
 
-from mvp_engine.kit.mllm.data import MLLMDataSpec, MLLMPackingAssembler, MLLMPackingSpec
+from mvp_engine.kit.mllm.data import MLLMDataSpec, MLLMPackingAssembler, MLLMPackingSpec, MLLMRecordError, source_kind
 from mvp_engine.kit.mllm.data.demo import write_demo_dataset
 from mvp_engine.packing import ATTENTION_BACKENDS, BACKENDS, SDPA_VARLEN
 
@@ -191,8 +191,10 @@ def resolve_run_specs(cfg: DictConfig, supported_attention: tuple[str, ...]) -> 
     if not data.sources and not demo.enabled:
         raise ConfigError("data.sources is empty and demo.enabled=false: nothing to train on")
     for source in data.sources:
-        if not Path(source).is_file():
-            raise ConfigError(f"data.sources: {source!r} is not a file")
+        try:
+            source_kind(source)  # the kit decides what a source is: a missing or unreadable one stops here
+        except MLLMRecordError as err:
+            raise ConfigError(f"data.sources: {err}") from None
     train = _to_object(cfg.train, TrainSpec, "train")
     attention = resolve_attention(str(cfg.attention.implementation), supported_attention, packed=packing is not None)
     check_attention(attention, supported_attention)

@@ -12,6 +12,7 @@ from .assembler import (
 from .bad_records import BadRecord, BadRecordReport, TooManyBadRecords
 from .balance import StepLayout, balanced_order, imbalance_summary
 from .chat import ChatTemplateEncoder
+from .check import decode_faults, find_bad_records
 from .collator import MLLMCollator
 from .cost import CostProfile, Rate, WorkUnits, pack_costs
 from .dataset import EpochPlan, MLLMDataKit, MLLMPackedDataset, MLLMStreamingPackedDataset
@@ -22,6 +23,7 @@ from .sample import IGNORE_INDEX, MLLMRecord, MLLMSample, MLLMSampleEncoder, Sam
 from .sources import MLLMRecordError, read_records
 from .spec import MLLMDataSpec, MLLMPackingSpec
 from .steps import estimate_total_steps, micro_batches_per_rank, optimizer_steps, packs_per_rank
+from .store import RecordStore, source_kind
 from .video import VideoInfo, load_video_frames, read_video_info
 from .video_patches import Qwen3VideoProcessor, QwenVideoProcessor
 
@@ -51,6 +53,7 @@ __all__ = [
     "MLLMSampleEncoder",
     "MLLMStreamingPackedDataset",
     "OverlongSampleError",
+    "RecordStore",
     "MediaKind",
     "PackPlan",
     "Rate",
@@ -63,7 +66,9 @@ __all__ = [
     "VideoInfo",
     "WorkUnits",
     "balanced_order",
+    "decode_faults",
     "estimate_total_steps",
+    "find_bad_records",
     "imbalance_summary",
     "load_image",
     "load_video_frames",
@@ -74,4 +79,5 @@ __all__ = [
     "read_image_size",
     "read_records",
     "read_video_info",
+    "source_kind",
 ]

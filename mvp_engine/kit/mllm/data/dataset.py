@@ -29,7 +29,7 @@ from .assembler import Admission, MLLMPackingAssembler, OverlongSampleError
 from .bad_records import BadRecord, BadRecordReport
 from .balance import StepLayout, balance_rng, balanced_order
 from .cost import CostProfile, pack_costs
-from .measure import SampleMetas, default_cache_dir, measure_list, measure_store
+from .measure import SampleMetas, default_cache_dir, encode_as_measured, measure_list, measure_store
 from .media import MLLMMediaHandler
 from .pack import MLLMPack
 from .sample import MLLMRecord, MLLMSampleEncoder
@@ -37,8 +37,6 @@ from .sources import MLLMRecordError, read_records
 from .spec import MLLMDataSpec
 from .steps import estimate_total_steps, micro_batches_per_rank, packs_per_rank
 from .store import RecordStore
-
-MEASURE_ENCODE_MISMATCH = "measure_encode_mismatch"  # the bad-record reason of a sample that left its slot
 
 
 class PackArrays:
@@ -310,15 +308,8 @@ class _PackedDatasetBase:
         for i in record_indices:
             record = self.records[i]
             try:
-                sample = self.encoder.encode(record)
+                sample = encode_as_measured(self.encoder, record, measured[i])
             except MLLMRecordError as err:
-                bad.append(BadRecord.from_error(err, "decode").to_dict())
-                continue
-            if sample.length != measured[i]:  # the plan holds a slot of the measured size: the sample cannot fit it
-                err = MLLMRecordError(
-                    f"{record.origin}: encoder.measure gave {measured[i]} tokens but encode produced {sample.length}: "
-                    "a media file changed after it was measured (the next start measures it again), or the encoder "
-                    "breaks the measure/encode contract", MEASURE_ENCODE_MISMATCH, record_id=record.record_id)
                 bad.append(BadRecord.from_error(err, "decode").to_dict())
                 continue
             samples.append(sample.truncated(lengths[i]) if lengths[i] < sample.length else sample)

@@ -36,7 +36,7 @@ import pyarrow.feather as feather
 from filelock import FileLock, Timeout
 
 from .bad_records import BadRecordReport
-from .sample import MLLMRecord, MLLMSampleEncoder, SampleMeta
+from .sample import MLLMRecord, MLLMSample, MLLMSampleEncoder, SampleMeta
 from .sources import MLLMRecordError, parse_record
 from .store import RecordStore, SourceRows, digest
 
@@ -47,6 +47,7 @@ WIDE_COLUMNS = ("media_sq",)  # int64: a square of tens of thousands of tokens o
 BAD_COLUMNS = ("bad_stage", "bad_reason", "bad_message", "bad_id")
 DONE = "done.json"
 MEDIA = "media.arrow"
+MEASURE_ENCODE_MISMATCH = "measure_encode_mismatch"  # the bad-record reason of a sample that left its slot
 
 
 @dataclass
@@ -106,6 +107,18 @@ def measure_list(records: list[MLLMRecord], encoder: MLLMSampleEncoder, report: 
             report.add_error(err, "measure")
             metas.append(None)
     return SampleMetas.from_list(metas)
+
+
+def encode_as_measured(encoder: MLLMSampleEncoder, record: MLLMRecord, measured_length: int) -> MLLMSample:
+    """``encoder.encode(record)``, or a bad record (``measure_encode_mismatch``) when the sample is not the length it
+    was measured at: the plan holds a slot of the measured size, so such a sample cannot fit it."""
+    sample = encoder.encode(record)
+    if sample.length != measured_length:
+        raise MLLMRecordError(
+            f"{record.origin}: encoder.measure gave {measured_length} tokens but encode produced {sample.length}: "
+            "a media file changed after it was measured (the next start measures it again), or the encoder "
+            "breaks the measure/encode contract", MEASURE_ENCODE_MISMATCH, record_id=record.record_id)
+    return sample
 
 
 def measure_store(store: RecordStore, encoder: MLLMSampleEncoder, report: BadRecordReport,

@@ -208,22 +208,34 @@ def _bad(err: MLLMRecordError, on_bad: Callable[[MLLMRecordError], None] | None)
 
 def _iter_jsonl(path: Path, name: str, on_bad) -> Iterator[tuple[str, Any]]:
     """Decoded lines; a line that is not UTF-8 or not JSON is one bad record, the next line starts afresh."""
+    for origin, line in jsonl_lines(path, name):
+        value = decode_json_line(line, origin)
+        if isinstance(value, MLLMRecordError):
+            _bad(value, on_bad)
+            continue
+        yield origin, value
+
+
+def jsonl_lines(path: Path, name: str) -> Iterator[tuple[str, bytes]]:
+    """``(origin, line)`` of every line of a JSONL file that is not blank, origin ``name:line`` (1-based): the one
+    numbering of JSONL records, for the in-memory reader and the record store alike."""
     with path.open("rb") as handle:
         for line_no, line in enumerate(handle, start=1):
-            origin = f"{name}:{line_no}"
-            try:
-                text = line.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                _bad(MLLMRecordError(f"{origin}: line is not valid UTF-8 ({exc})", "invalid_utf8"), on_bad)
-                continue
-            if not text.strip():
-                continue
-            try:
-                value = json.loads(text)
-            except json.JSONDecodeError as exc:
-                _bad(MLLMRecordError(f"{origin}: invalid JSON: {exc.msg} (column {exc.colno})", "invalid_json"), on_bad)
-                continue
-            yield origin, value
+            if line.strip():
+                yield f"{name}:{line_no}", line
+
+
+def decode_json_line(line: bytes, origin: str) -> Any:
+    """The JSON value of one JSONL line, or the :class:`MLLMRecordError` it is (returned, not raised: the caller
+    decides whether a bad record stops anything)."""
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return MLLMRecordError(f"{origin}: line is not valid UTF-8 ({exc})", "invalid_utf8")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        return MLLMRecordError(f"{origin}: invalid JSON: {exc.msg} (column {exc.colno})", "invalid_json")
 
 
 def iter_json_values(path: Path, name: str) -> Iterator[tuple[str, Any]]:

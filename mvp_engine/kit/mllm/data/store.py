@@ -25,6 +25,7 @@ import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ import pyarrow as pa
 from filelock import FileLock
 
 from .sample import MLLMRecord
-from .sources import MLLMRecordError, iter_json_values, parse_record
+from .sources import MLLMRecordError, decode_json_line, iter_json_values, jsonl_lines, parse_record
 
 STORE_FORMAT = 1  # bump when the Arrow layout of converted JSON sources changes
 _ROWS_PER_BATCH = 50_000
@@ -64,7 +65,7 @@ class SourceRows:
         """``(origin, decoded record or MLLMRecordError)`` per row of a ``datasets`` batch."""
         if self.json_rows:
             for origin, raw in zip(batch["origin"], batch["raw"]):
-                yield origin, decode_json_row(raw, origin)
+                yield origin, decode_json_line(raw, origin)
             return
         keys = list(batch)
         for j, index in enumerate(indices):
@@ -77,25 +78,12 @@ class SourceRows:
         """Row ``index`` parsed and validated (raises :class:`MLLMRecordError` for a bad one)."""
         row = table[index]
         if self.json_rows:
-            origin, raw = row["origin"], decode_json_row(row["raw"], row["origin"])
+            origin, raw = row["origin"], decode_json_line(row["raw"], row["origin"])
             if isinstance(raw, MLLMRecordError):
                 raise raw
         else:
             origin, raw = f"{self.name}#{index + 1}", row
         return parse_record(raw, origin, self.image_root, allow_leading_assistant)
-
-
-def decode_json_row(raw: bytes, origin: str) -> Any:
-    """The JSON value of a stored line, or the :class:`MLLMRecordError` it is (returned, not raised: the caller
-    decides whether a bad record stops anything)."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        return MLLMRecordError(f"{origin}: line is not valid UTF-8 ({exc})", "invalid_utf8")
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        return MLLMRecordError(f"{origin}: invalid JSON: {exc.msg} (column {exc.colno})", "invalid_json")
 
 
 class RecordStore:
@@ -139,44 +127,66 @@ class RecordStore:
         return rows.origin(table, row)
 
 
+def source_kind(path: str | os.PathLike) -> str:
+    """What ``path`` is as a source: ``"json"``, ``"jsonl"``, ``"parquet"`` or ``"saved"`` (a folder written by
+    ``datasets``' ``save_to_disk``); otherwise an :class:`MLLMRecordError` (reason ``invalid_source``) naming the
+    path and why not. The one place that decides what a source is: the run's config check asks it before anything
+    is read, and :meth:`RecordStore.open` opens a source by it."""
+    path = Path(path)
+    if path.is_dir():
+        _saved_folder(path)
+        kind = "saved"
+    elif not path.exists():
+        raise MLLMRecordError(f"{path}: data source not found", "invalid_source")
+    else:
+        kind = path.suffix.lower().lstrip(".")
+        if not path.is_file() or kind not in ("json", "jsonl", "parquet"):
+            raise MLLMRecordError(f"{path}: unsupported source {path.suffix!r} (expected .json, .jsonl, .parquet or "
+                                  "a folder written by datasets' save_to_disk)", "invalid_source")
+    if not os.access(path, os.R_OK | (os.X_OK if path.is_dir() else 0)):
+        raise MLLMRecordError(f"{path}: data source is not readable (permissions)", "invalid_source")
+    return kind
+
+
+def _saved_folder(path: Path) -> Path:
+    """The folder of the data set a ``save_to_disk`` folder holds: itself, or for a ``DatasetDict`` its ``train``
+    split, or its only split. Reads the folder's markers only, so checking a source costs no loading."""
+    import datasets
+
+    if (path / datasets.config.DATASET_STATE_JSON_FILENAME).is_file() and \
+            (path / datasets.config.DATASET_INFO_FILENAME).is_file():
+        return path
+    splits_file = path / datasets.config.DATASETDICT_JSON_FILENAME
+    if not splits_file.is_file():
+        raise MLLMRecordError(f"{path}: a folder source must be written by datasets' save_to_disk (it has no "
+                              f"{datasets.config.DATASET_STATE_JSON_FILENAME} or "
+                              f"{datasets.config.DATASETDICT_JSON_FILENAME})", "invalid_source")
+    try:
+        splits = list(json.loads(splits_file.read_text())["splits"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise MLLMRecordError(f"{splits_file}: unreadable split list ({err})", "invalid_source") from None
+    if "train" not in splits and len(splits) != 1:
+        raise MLLMRecordError(f"{path}: a DatasetDict with splits {splits} and no 'train': save one split",
+                              "invalid_source")
+    return path / ("train" if "train" in splits else splits[0])
+
+
 def _open_source(path: Path, cache: Path, image_root: str | None) -> tuple[Any, SourceRows, str]:
     import datasets
 
-    suffix = path.suffix.lower()
+    kind = source_kind(path)
     root = os.path.abspath(image_root if image_root is not None else path.parent)
-    if path.is_dir():
-        table = _saved_dataset(path)
+    if kind == "saved":
+        table = datasets.Dataset.load_from_disk(str(_saved_folder(path)))
         fingerprint = digest([str(path.resolve()), table._fingerprint,
                               [file_identity(f["filename"]) for f in table.cache_files]])
         return table, SourceRows(str(path), root, json_rows=False), fingerprint
-    if not path.is_file():
-        raise MLLMRecordError(f"{path}: data source not found", "invalid_source")
-    if suffix == ".parquet":
+    if kind == "parquet":
         table = datasets.Dataset.from_parquet(str(path), cache_dir=str(cache / "parquet"))
         return table, SourceRows(str(path), root, json_rows=False), digest(file_identity(path))
-    if suffix in (".json", ".jsonl"):
-        arrow = _converted_json(path, cache / "records")
-        return datasets.Dataset.from_file(str(arrow)), SourceRows(str(path), root, json_rows=True), \
-            digest(file_identity(path))
-    raise MLLMRecordError(f"{path}: unsupported source {path.suffix!r} (expected .json, .jsonl, .parquet or a "
-                          "folder written by datasets' save_to_disk)", "invalid_source")
-
-
-def _saved_dataset(path: Path) -> Any:
-    import datasets
-
-    try:
-        loaded = datasets.load_from_disk(str(path))
-    except FileNotFoundError as err:
-        raise MLLMRecordError(f"{path}: a folder source must be written by datasets' save_to_disk ({err})",
-                              "invalid_source") from None
-    if isinstance(loaded, datasets.DatasetDict):
-        splits = list(loaded)
-        if "train" not in loaded and len(splits) != 1:
-            raise MLLMRecordError(f"{path}: a DatasetDict with splits {splits} and no 'train': save one split",
-                                  "invalid_source")
-        loaded = loaded["train" if "train" in loaded else splits[0]]
-    return loaded
+    arrow = _converted_json(path, cache / "records")
+    return datasets.Dataset.from_file(str(arrow)), SourceRows(str(path), root, json_rows=True), \
+        digest(file_identity(path))
 
 
 def _converted_json(path: Path, cache: Path) -> Path:
@@ -199,23 +209,11 @@ def _json_batches(path: Path) -> Iterator[tuple[list[str], list[bytes]]]:
     """Rows of a JSON/JSONL file in batches: JSONL lines as they are (blank ones skipped), a JSON list's records
     serialised back one by one (the list must parse whole; see :func:`iter_json_values`)."""
     name = str(path)
-    origins: list[str] = []
-    raws: list[bytes] = []
     if path.suffix.lower() == ".jsonl":
-        with path.open("rb") as handle:
-            for line_no, line in enumerate(handle, start=1):
-                if line.strip():
-                    origins.append(f"{name}:{line_no}")
-                    raws.append(line)
-                    if len(raws) == _ROWS_PER_BATCH:
-                        yield origins, raws
-                        origins, raws = [], []
+        rows = jsonl_lines(path, name)
     else:
-        for origin, value in iter_json_values(path, name):
-            origins.append(origin)
-            raws.append(json.dumps(value, ensure_ascii=False).encode())
-            if len(raws) == _ROWS_PER_BATCH:
-                yield origins, raws
-                origins, raws = [], []
-    if raws:
-        yield origins, raws
+        rows = ((origin, json.dumps(value, ensure_ascii=False).encode())
+                for origin, value in iter_json_values(path, name))
+    while batch := list(islice(rows, _ROWS_PER_BATCH)):
+        origins, raws = zip(*batch)
+        yield list(origins), list(raws)
