@@ -8,15 +8,15 @@ turns are supervised: the assistant's content and its closing ``<|im_end|>``; th
 trailing newline are not. Vision special tokens are never supervised, even inside an assistant turn.
 
 The template rendering, label masking, validation and image reading are the kit's ``ChatTemplateEncoder``; the
-token counts are the Qwen families' shared ``QwenSampleEncoder`` (``mvp_engine.engine.qwen``): the image
-processor's ``image_grid_thw`` (encode) or ``smart_resize`` on the header size (measure); for videos the kit's
+token counts are the Qwen families' shared ``QwenSampleEncoder`` (``recipes.qwen``): the image
+processor's ``image_grid_thw`` (encode) or ``smart_resize`` on the header size (measure); for videos the family's
 ``QwenVideoProcessor`` on decoded frames (encode) or on the container metadata (measure). Tests check that they
 agree.
 """
 
 from __future__ import annotations
 
-from mvp_engine.engine.qwen import QwenSampleEncoder
+from recipes.qwen import QwenSampleEncoder
 
 
 class Qwen2VLSampleEncoder(QwenSampleEncoder):

@@ -3,12 +3,12 @@
 The default is a tiny, seeded, randomly initialised ``Qwen2VLForConditionalGeneration`` whose config comes from
 YAML (``conf/model/qwen2_vl_tiny.yaml``) and whose vocabulary and special-token ids come from the committed
 tokenizer asset (``assets/tokenizers/qwen2_vl``); ``pretrained=<dir>`` loads a ``save_pretrained`` folder. What the
-Qwen families share (the processor bundle, the special-token wiring, the dummy media) is
-``mvp_engine.engine.qwen``; the generic parts (pretrained vs tiny init) are ``mvp_engine.engine.builders``.
+Qwen families share (the processor bundle, the special-token wiring, the dummy media) is the family package
+``recipes.qwen``; the generic parts (pretrained vs tiny init) are ``mvp_engine.engine.builders``.
 
 Images go through ``Qwen2VLImageProcessorPil`` (patch 14, CLIP mean/std): transformers' torchvision-free backend.
 ``Qwen2VLProcessor`` is not used because it insists on a video processor, which needs torchvision; videos go
-through the kit's ``QwenVideoProcessor`` (numpy/PIL, the same layout as ``Qwen2VLVideoProcessor``) instead.
+through the family's ``QwenVideoProcessor`` (numpy/PIL, the same layout as ``Qwen2VLVideoProcessor``) instead.
 """
 
 from __future__ import annotations
@@ -18,8 +18,13 @@ from pathlib import Path
 
 from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
-from mvp_engine.engine.qwen import QwenProcessorBundle, build_qwen_model, build_qwen_processor, qwen_dummy_media
-from mvp_engine.kit.mllm.data.video_patches import QwenVideoProcessor
+from recipes.qwen import (
+    QwenProcessorBundle,
+    QwenVideoProcessor,
+    build_qwen_model,
+    build_qwen_processor,
+    qwen_dummy_media,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TOKENIZER_DIR = REPO_ROOT / "assets" / "tokenizers" / "qwen2_vl"
@@ -30,7 +35,7 @@ DEFAULT_IMAGE_PIXELS = (28 * 28 * 4, 28 * 28 * 64)
 DEFAULT_VIDEO = QwenVideoProcessor(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16, fps=2.0, min_frames=4,
                                    max_frames=16)
 
-# Keys read (mvp_engine.engine.qwen): pretrained, tokenizer_dir, image_min_pixels / image_max_pixels (defaults
+# Keys read (recipes.qwen): pretrained, tokenizer_dir, image_min_pixels / image_max_pixels (defaults
 # above), video_min_pixels / video_max_pixels (per frame), video_fps, video_min_frames, video_max_frames (defaults:
 # DEFAULT_VIDEO), and for the model config (text_config, vision_config, top-level Qwen2VLConfig fields), seed, dtype.
 build_processor = partial(build_qwen_processor, tokenizer_dir=DEFAULT_TOKENIZER_DIR, image_pixels=DEFAULT_IMAGE_PIXELS,

@@ -6,7 +6,7 @@ How Qwen2-VL consumes positions (``modeling_qwen2_vl.py``):
   ``position_ids`` is None; ``get_rope_index(input_ids, mm_token_type_ids, image_grid_thw, ...)`` walks each row as
   ONE sequence (text runs advance by 1, an image block takes a (t, h, w) grid starting at the current position,
   after it the position advances by ``max(h, w) / merge``) and consumes ``image_grid_thw`` in order across rows.
-  Run on a packed row it would continue positions across samples, so ``mvp_engine.packing.mrope`` calls it per
+  Run on a packed row it would continue positions across samples, so ``mvp_engine.packing.segment_rope`` calls it per
   segment with that segment's own image and video grids (``video_grid_thw`` is consumed in order too; a clip is
   one run of video tokens whose temporal positions advance by 1 per temporal patch in Qwen2-VL).
 - ``Qwen2VLTextModel.forward``: (4, B, L) ``position_ids`` are split into a text row ``[0]`` and the M-RoPE rows
@@ -23,25 +23,20 @@ mask follows the segment ids (the DataKit's truth) and costs the same (transform
 Flash attention gets ``cu_seq_lens_q/k`` + ``max_length_q/k`` and no ``attention_mask``. flex_attention is not
 offered: transformers 5.24 refuses it for Qwen2-VL at load time.
 
-The per-segment M-RoPE driving, shared with the other Qwen families, is ``mvp_engine.packing.mrope``; masks,
-guards and media order are ``mvp_engine.packing.inputs``.
+The kwargs themselves (modality map, media, per-segment M-RoPE) are the Qwen families' shared ``recipes.qwen.packed``
+over the generic ``mvp_engine.packing.segment_rope``; masks, guards and media order are ``mvp_engine.packing.inputs``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from functools import partial
 
-from mvp_engine.packing.mrope import mm_token_type_ids, packed_position_ids, prepare_mrope_packed, prepare_mrope_padded
+from recipes.qwen import packed as qwen_packed
 
 # flex_attention is refused by transformers 5.24 for Qwen2-VL at load time.
 ATTENTION_BACKENDS = ("eager", "sdpa", "sdpa_varlen", "flash_attention_2")
 
-__all__ = ["ATTENTION_BACKENDS", "mm_token_type_ids", "packed_position_ids", "prepare_packed", "prepare_padded"]
+__all__ = ["ATTENTION_BACKENDS", "prepare_packed", "prepare_padded"]
 
-
-def prepare_packed(batch: dict[str, Any], model, attn_implementation: str) -> dict[str, Any]:
-    """Packed model kwargs with per-segment M-RoPE (``mvp_engine.packing.mrope``) for one of ``ATTENTION_BACKENDS``."""
-    return prepare_mrope_packed(batch, model, attn_implementation, ATTENTION_BACKENDS)
-
-
-prepare_padded = prepare_mrope_padded
+prepare_packed = partial(qwen_packed.prepare_packed, supported=ATTENTION_BACKENDS)
+prepare_padded = qwen_packed.prepare_padded

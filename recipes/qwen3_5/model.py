@@ -4,12 +4,12 @@ The default is a tiny, seeded, randomly initialised ``Qwen3_5ForConditionalGener
 (``conf/model/qwen3_5_tiny.yaml``: two Gated DeltaNet linear-attention and two full-attention layers) and whose
 vocabulary and special-token ids come from the committed tokenizer asset (``assets/tokenizers/qwen3_5``);
 ``pretrained=<dir>`` loads a ``save_pretrained`` folder. What the Qwen families share (processor bundle,
-special-token wiring, dummy media, the encoder) is ``mvp_engine.engine.qwen``.
+special-token wiring, dummy media, the encoder) is the family package ``recipes.qwen``.
 
 Qwen3.5's own part is its linear-attention layers: :func:`build_model` makes them take packed-sample boundaries
 (``mvp_engine.packing.enable_linear_attention_packing``; transformers 5.24 lets their conv window and recurrent
 state run from one packed sample into the next). Images go through ``Qwen2VLImageProcessorPil`` with Qwen3.5's
-patch 16 and mean/std 0.5, videos through the kit's ``Qwen3VideoProcessor`` (Qwen3-VL's sampling and timestamps).
+patch 16 and mean/std 0.5, videos through the family's ``Qwen3VideoProcessor`` (Qwen3-VL's sampling and timestamps).
 """
 
 from __future__ import annotations
@@ -21,10 +21,15 @@ import torch
 from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
 from mvp_engine.engine.builders import to_plain
-from mvp_engine.engine.qwen import QwenProcessorBundle, build_qwen_model, build_qwen_processor, qwen_dummy_media
-from mvp_engine.kit.mllm.data.video_patches import Qwen3VideoProcessor
 from mvp_engine.packing import enable_linear_attention_packing
 from mvp_engine.packing.linear_attention import linear_attention_layers
+from recipes.qwen import (
+    Qwen3VideoProcessor,
+    QwenProcessorBundle,
+    build_qwen_model,
+    build_qwen_processor,
+    qwen_dummy_media,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TOKENIZER_DIR = REPO_ROOT / "assets" / "tokenizers" / "qwen3_5"
@@ -39,7 +44,7 @@ IMAGE_SETTINGS = {"patch_size": 16, "merge_size": 2, "image_mean": [0.5, 0.5, 0.
 
 
 def build_processor(model_cfg: Mapping | None = None) -> QwenProcessorBundle:
-    """Tokenizer, image and video processors (``mvp_engine.engine.qwen.build_qwen_processor``): from
+    """Tokenizer, image and video processors (``recipes.qwen.build_qwen_processor``): from
     ``model_cfg.pretrained`` if set, else the asset tokenizer with ``image_min_pixels`` / ``image_max_pixels`` and
     ``video_min_pixels`` / ``video_max_pixels`` (per clip), ``video_fps``, ``video_min_frames``,
     ``video_max_frames`` (defaults: ``DEFAULT_IMAGE_PIXELS``, ``DEFAULT_VIDEO``)."""

@@ -7,7 +7,8 @@
   boundary-aware conv1d and gated delta rule that ``build_model`` installs (``mvp_engine.packing.linear_attention``:
   what transformers does with them and the measured leak). The guard there refuses a packed forward without them.
 - Positions: Qwen3.5's ``get_rope_index`` has Qwen3-VL's signature (a clip split into one frame per run,
-  interleaved rotary sections), driven per segment by ``mvp_engine.packing.mrope``: (4, B, L), text row first.
+  interleaved rotary sections), driven per segment by ``mvp_engine.packing.segment_rope`` (the Qwen families' shared
+  ``recipes.qwen.packed``): (4, B, L), text row first.
 
 flex_attention is not offered: transformers 5.24 does not declare it for Qwen3.5. flash_attention_2 runs the full
 attention layers on the flash kernel; the linear ones then run the torch reference per sample (exact, unverified on
@@ -16,19 +17,14 @@ a GPU here).
 
 from __future__ import annotations
 
-from typing import Any
+from functools import partial
 
-from mvp_engine.packing.mrope import prepare_mrope_packed, prepare_mrope_padded
+from recipes.qwen import packed as qwen_packed
 
+# flex_attention is not declared by transformers 5.24 for Qwen3.5.
 ATTENTION_BACKENDS = ("eager", "sdpa", "sdpa_varlen", "flash_attention_2")
 
 __all__ = ["ATTENTION_BACKENDS", "prepare_packed", "prepare_padded"]
 
-
-def prepare_packed(batch: dict[str, Any], model, attn_implementation: str) -> dict[str, Any]:
-    """Packed model kwargs: per-segment M-RoPE, the full-attention mask or varlen kwargs and the linear-attention
-    boundaries, for one of ``ATTENTION_BACKENDS``."""
-    return prepare_mrope_packed(batch, model, attn_implementation, ATTENTION_BACKENDS)
-
-
-prepare_padded = prepare_mrope_padded
+prepare_packed = partial(qwen_packed.prepare_packed, supported=ATTENTION_BACKENDS)
+prepare_padded = qwen_packed.prepare_padded

@@ -4,10 +4,10 @@ The default is a tiny, seeded, randomly initialised ``Qwen3VLForConditionalGener
 (``conf/model/qwen3_vl_tiny.yaml``: its vision tower sets ``deepstack_visual_indexes`` inside its own depth, so the
 DeepStack mergers run) with vocabulary and special-token ids from the committed tokenizer asset
 (``assets/tokenizers/qwen3_vl``); ``pretrained=<dir>`` loads a ``save_pretrained`` folder. The builders are the
-Qwen families' shared ones (``mvp_engine.engine.qwen``).
+Qwen families' shared ones (the family package ``recipes.qwen``).
 
 Images: ``Qwen2VLImageProcessorPil`` configured as Qwen3-VL's image processor (patch 16, merge 2, mean/std 0.5),
-transformers' torchvision-free backend. Videos: the kit's ``Qwen3VideoProcessor`` (numpy/PIL), which samples,
+transformers' torchvision-free backend. Videos: the family's ``Qwen3VideoProcessor`` (numpy/PIL), which samples,
 sizes and timestamps frames as ``Qwen3VLVideoProcessor`` / ``Qwen3VLProcessor`` do; transformers' own needs
 torchvision. Its ``min_pixels`` / ``max_pixels`` bound the whole clip (frames x height x width), as Qwen3-VL's do.
 """
@@ -19,8 +19,7 @@ from pathlib import Path
 
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-from mvp_engine.engine.qwen import build_qwen_model, build_qwen_processor, qwen_dummy_media
-from mvp_engine.kit.mllm.data.video_patches import Qwen3VideoProcessor
+from recipes.qwen import Qwen3VideoProcessor, build_qwen_model, build_qwen_processor, qwen_dummy_media
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TOKENIZER_DIR = REPO_ROOT / "assets" / "tokenizers" / "qwen3_vl"
@@ -33,7 +32,7 @@ DEFAULT_IMAGE_PIXELS = (32 * 32 * 4, 32 * 32 * 64)
 DEFAULT_VIDEO = Qwen3VideoProcessor(min_pixels=32 * 32 * 2 * 4, max_pixels=32 * 32 * 2 * 64, fps=2.0, min_frames=4,
                                     max_frames=16)
 
-# Keys read (mvp_engine.engine.qwen): pretrained, tokenizer_dir, image_min_pixels / image_max_pixels (defaults
+# Keys read (recipes.qwen): pretrained, tokenizer_dir, image_min_pixels / image_max_pixels (defaults
 # above), video_min_pixels / video_max_pixels (the whole clip), video_fps, video_min_frames, video_max_frames
 # (defaults: DEFAULT_VIDEO), and for the model config (text_config, vision_config, top-level Qwen3VLConfig fields),
 # seed, dtype.

@@ -6,12 +6,13 @@ How Qwen3-VL consumes positions and media (``modeling_qwen3_vl.py``):
   ``position_ids`` is None. ``get_rope_index(input_ids, mm_token_type_ids, image_grid_thw, video_grid_thw)`` first
   splits every video's grid ``(t, h, w)`` into ``t`` grids ``(1, h, w)``: in the text a clip is one
   ``<|vision_start|><|video_pad|>...<|vision_end|>`` run per temporal patch, each after its ``<t seconds>``
-  timestamp (``encoder.py``), and each run consumes one of those grids. It then walks the row as ONE sequence: text
-  advances by 1; a run starting at position ``p`` gets temporal ``p``, height ``p + i``, width ``p + j`` (so the
-  temporal row carries no time: the timestamps, plain text between the runs, do) and moves ``p`` on by
-  ``max(h, w) / merge``. Grids are consumed in order across rows, so on a packed row positions would run on from one
-  sample into the next: ``mvp_engine.packing.mrope`` calls it per segment with that segment's own image and video
-  grids (the frames of a clip never straddle segments: a clip is never cut), which is what the sample alone gets.
+  timestamp (``recipes/qwen/encoder.py``), and each run consumes one of those grids. It then walks the row as ONE
+  sequence: text advances by 1; a run starting at position ``p`` gets temporal ``p``, height ``p + i``, width
+  ``p + j`` (so the temporal row carries no time: the timestamps, plain text between the runs, do) and moves ``p``
+  on by ``max(h, w) / merge``. Grids are consumed in order across rows, so on a packed row positions would run on
+  from one sample into the next: ``mvp_engine.packing.segment_rope`` calls it per segment with that segment's own
+  image and video grids (the frames of a clip never straddle segments: a clip is never cut), which is what the
+  sample alone gets.
 - ``Qwen3VLTextModel.forward``: (4, B, L) ``position_ids`` are split into a text row ``[0]`` and the M-RoPE rows
   ``[1:]``. Only the text row reaches ``create_causal_mask`` and the attention function; 2-D or (3, B, L) positions
   give ``text_position_ids=None``: no packed handling at all. The rotary embedding reads rows 1..3 *interleaved*
@@ -32,25 +33,20 @@ How Qwen3-VL consumes positions and media (``modeling_qwen3_vl.py``):
 
 Attention: eager/sdpa get an explicit 4-D block-causal mask from ``pack_segment_ids``; flash_attention_2 and
 sdpa_varlen get ``cu_seq_lens_q/k`` + ``max_length_q/k`` and no ``attention_mask``. flex_attention is not offered:
-transformers 5.24 refuses it for Qwen3-VL at load time. Masks, guards and media order are
-``mvp_engine.packing.inputs``.
+transformers 5.24 refuses it for Qwen3-VL at load time. The kwargs are the Qwen families' shared
+``recipes.qwen.packed``; masks, guards and media order are ``mvp_engine.packing.inputs``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from functools import partial
 
-from mvp_engine.packing.mrope import packed_position_ids, prepare_mrope_packed, prepare_mrope_padded
+from recipes.qwen import packed as qwen_packed
 
 # flex_attention is refused by transformers 5.24 for Qwen3-VL at load time.
 ATTENTION_BACKENDS = ("eager", "sdpa", "sdpa_varlen", "flash_attention_2")
 
-__all__ = ["ATTENTION_BACKENDS", "packed_position_ids", "prepare_packed", "prepare_padded"]
+__all__ = ["ATTENTION_BACKENDS", "prepare_packed", "prepare_padded"]
 
-
-def prepare_packed(batch: dict[str, Any], model, attn_implementation: str) -> dict[str, Any]:
-    """Packed model kwargs with per-segment M-RoPE (``mvp_engine.packing.mrope``) for one of ``ATTENTION_BACKENDS``."""
-    return prepare_mrope_packed(batch, model, attn_implementation, ATTENTION_BACKENDS)
-
-
-prepare_padded = prepare_mrope_padded
+prepare_packed = partial(qwen_packed.prepare_packed, supported=ATTENTION_BACKENDS)
+prepare_padded = qwen_packed.prepare_padded

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from mvp_engine.engine.recipe import Recipe
 from mvp_engine.engine.trainer import hydra_main
+from recipes.qwen import Qwen3SampleEncoder
 
 from . import model, packed
-from .encoder import Qwen3VLSampleEncoder
 
-RECIPE = Recipe.from_modules("qwen3_vl", model=model, packed=packed, encoder=Qwen3VLSampleEncoder)
+RECIPE = Recipe.from_modules("qwen3_vl", model=model, packed=packed, encoder=Qwen3SampleEncoder)
 main = hydra_main(RECIPE)
 
 if __name__ == "__main__":

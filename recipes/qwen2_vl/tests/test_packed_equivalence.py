@@ -12,8 +12,9 @@ import torch
 from mvp_engine.engine.testing import collate_rows
 from mvp_engine.engine.testkit.suites import EquivalenceSuite
 from mvp_engine.packing import check_packed_model_kwargs
+from recipes.qwen import mm_token_type_ids, packed_position_ids
 from recipes.qwen2_vl.model import build_model
-from recipes.qwen2_vl.packed import mm_token_type_ids, packed_position_ids, prepare_packed, prepare_padded
+from recipes.qwen2_vl.packed import prepare_packed, prepare_padded
 
 from .conftest import hand_collate
 

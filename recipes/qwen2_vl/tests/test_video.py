@@ -20,9 +20,10 @@ from mvp_engine.engine.testing import (
     write_video,
 )
 from mvp_engine.kit.mllm.data import MLLMDataKit, MLLMDataSpec, MLLMPackingSpec
+from recipes.qwen import mm_token_type_ids
 from recipes.qwen2_vl.encoder import Qwen2VLSampleEncoder
 from recipes.qwen2_vl.model import build_model
-from recipes.qwen2_vl.packed import mm_token_type_ids, prepare_packed
+from recipes.qwen2_vl.packed import prepare_packed
 
 SETTINGS = {  # QwenVideoProcessor fields over the tiny defaults
     "default": {},

@@ -16,7 +16,7 @@ from transformers.video_utils import VideoMetadata
 from mvp_engine.engine.testing import collate_rows, compose_config, varied_video_records
 from mvp_engine.engine.testkit.suites import EncoderSuite
 from mvp_engine.kit.mllm.data import MLLMRecordError, read_video_info
-from recipes.qwen3_vl.encoder import Qwen3VLSampleEncoder
+from recipes.qwen import Qwen3SampleEncoder
 from recipes.qwen3_vl.model import build_model, build_processor
 from recipes.qwen3_vl.packed import prepare_packed
 
@@ -54,7 +54,7 @@ def test_clips_are_laid_out_as_transformers_measured_exactly_and_taken_by_the_mo
     packed row of all of them runs through the tiny model, which checks every clip's placeholders against its
     vision features."""
     video = dataclasses.replace(processor.video_processor, **settings)
-    encoder = Qwen3VLSampleEncoder(dataclasses.replace(processor, video_processor=video))
+    encoder = Qwen3SampleEncoder(dataclasses.replace(processor, video_processor=video))
     samples = []
     for record in clips:
         if record.record_id == "v3":  # one frame: refused, as transformers refuses it
@@ -75,7 +75,7 @@ def test_clips_are_laid_out_as_transformers_measured_exactly_and_taken_by_the_mo
 
 
 def test_a_clip_of_one_frame_is_the_same_bad_record_to_measure_and_encode(processor, clips):
-    encoder = Qwen3VLSampleEncoder(processor)
+    encoder = Qwen3SampleEncoder(processor)
     for call in (encoder.measure, encoder.encode):
         with pytest.raises(MLLMRecordError, match="videos.jsonl:3") as err:
             call(clips[3])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from mvp_engine.engine.testkit.suites import EquivalenceSuite
-from recipes.qwen3_vl.packed import packed_position_ids
+from recipes.qwen import packed_position_ids
 
 
 class TestPackedEquivalence(EquivalenceSuite):

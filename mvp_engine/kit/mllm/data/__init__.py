@@ -25,7 +25,7 @@ from .spec import MLLMDataSpec, MLLMPackingSpec
 from .steps import estimate_total_steps, micro_batches_per_rank, optimizer_steps, packs_per_rank
 from .store import RecordStore, source_kind
 from .video import VideoInfo, load_video_frames, read_video_info
-from .video_patches import Qwen3VideoProcessor, QwenVideoProcessor
+from .video_patches import normalize_frames, patchify
 
 __all__ = [
     "BadRecord",
@@ -57,8 +57,6 @@ __all__ = [
     "MediaKind",
     "PackPlan",
     "Rate",
-    "Qwen3VideoProcessor",
-    "QwenVideoProcessor",
     "SampleMeta",
     "SingleSampleAssembler",
     "StepLayout",
@@ -73,9 +71,11 @@ __all__ = [
     "load_image",
     "load_video_frames",
     "micro_batches_per_rank",
+    "normalize_frames",
     "optimizer_steps",
     "pack_costs",
     "packs_per_rank",
+    "patchify",
     "read_image_size",
     "read_records",
     "read_video_info",

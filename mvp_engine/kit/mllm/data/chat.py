@@ -298,7 +298,7 @@ class ChatTemplateEncoder:
 
     def video_token_groups(self, info: VideoInfo) -> int:
         """Equal groups of a video's tokens that the vision tower attends separately (the cost model's
-        ``SampleMeta.media_sq``): one per temporal patch for the kit's Qwen video processors (Qwen2-VL / Qwen3-VL
+        ``SampleMeta.media_sq``): one per temporal patch for a video processor with ``grid_thw`` (the Qwen families'
         attend frame group by frame group), else 1 (the whole clip at once). Override where that is wrong."""
         grid_thw = getattr(getattr(self, "video_processor", None), "grid_thw", None)
         return int(grid_thw(info)[0]) if grid_thw is not None else 1

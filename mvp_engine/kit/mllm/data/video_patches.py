@@ -1,189 +1,33 @@
-"""Videos -> ``pixel_values_videos`` and ``video_grid_thw`` as transformers' Qwen2-VL and Qwen3-VL video processors lay
-them out, with numpy and PIL: those processors need torchvision, which does not install beside this torch.
+"""Decoded frames -> the rows of patch values a grid-patch vision tower takes, with numpy (torchvision, which
+transformers' video processors need for this, does not install beside this torch).
 
-The layout (Qwen2-VL's, which Qwen2.5-VL and Qwen3-VL keep): the sampled frames, each resized to the one size
-``smart_resize`` picks for the video (sides multiples of ``patch_size * merge_size``, ``min_pixels`` to
-``max_pixels`` per frame), rescaled and normalised, grouped ``temporal_patch_size`` frames at a time (the last frame
-repeated to fill the last group), cut into ``patch_size`` squares and flattened in the processor's ``patchify``
-order: one row of ``C * temporal_patch_size * patch_size**2`` values per patch, ``t * h * w`` rows per video, whose
-``merge_size**2``-patch blocks become its ``t * h * w / merge_size**2`` placeholder tokens.
-
-Frame sampling is ``Qwen2VLVideoProcessor.sample_frames`` with ``fps`` (how qwen-vl-utils samples for training):
-``n = frames / source fps * fps``, clamped to ``[min_frames, min(max_frames, frames)]``, floored to a multiple of
-``temporal_patch_size``, indices ``torch.arange(0, frames, frames / n).int()`` (torch, as the processor computes
-them). A clip shorter than ``temporal_patch_size`` frames, where that formula leaves no frame, is taken whole.
-transformers' optional ``cap_pixels_per_frame`` (a total pixel budget per video) is not applied: its default is off.
-
-``token_count`` needs the :class:`VideoInfo` only (metadata), so ``measure`` never decodes; ``__call__`` decodes the
-same frames and gives the same counts. Pixel values differ slightly from transformers' (PIL's bicubic resize of
-each RGB frame here, torchvision's bicubic on the frame tensor there); grids, token counts and layout are the same.
-
-:class:`Qwen3VideoProcessor` is ``Qwen3VLVideoProcessor`` (Qwen3-VL and Qwen3.5): the same patch layout, with
-``patch_size`` 16 and mean/std 0.5, but its own sampling (``n = int(frames / source fps * fps)`` clamped to
-``[min_frames, min(max_frames, frames)]``, not rounded to ``temporal_patch_size``, indices
-``np.linspace(0, frames - 1, n).round()``; the last group is filled by repeating the last frame), its own
-``smart_resize`` (transformers' function, over the whole clip: ``min_pixels`` / ``max_pixels`` bound frames x height x
-width, and a clip of fewer than ``temporal_patch_size`` sampled frames is refused), and the per-frame ``timestamps``
-``Qwen3VLProcessor`` writes into the text (the mean source time of each temporal patch's first and last frame).
+The layout (the one transformers' M-RoPE video processors share): frames rescaled and normalised, grouped
+``temporal_patch_size`` frames at a time (the last frame repeated to fill the last group), cut into ``patch_size``
+squares and flattened merge block by merge block: one row of ``C * temporal_patch_size * patch_size**2`` values per
+patch, ``t * h * w`` rows per video, each ``merge_size**2`` consecutive rows one placeholder token. Which frames are
+sampled and what size they are resized to is the model's (its recipe's video processor).
 """
 
 from __future__ import annotations
 
-import json
-import math
-import os
-from dataclasses import dataclass, fields, replace
-from pathlib import Path
+from collections.abc import Sequence
 
 import numpy as np
-import torch
-from PIL import Image
-from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
-
-from .video import VideoInfo, load_video_frames
-
-CONFIG_NAME = "video_preprocessor_config.json"  # transformers' file name and keys, so real checkpoints read too
 
 
-@dataclass(frozen=True)
-class QwenVideoProcessor:
-    """Frame sampling, per-frame size and patch layout of one model's videos; every field is a plain number, so
-    its ``repr`` states everything a video's token count depends on (the measure cache keys on it)."""
-
-    min_pixels: int = 128 * 28 * 28
-    max_pixels: int = 768 * 28 * 28
-    fps: float = 2.0
-    min_frames: int = 4
-    max_frames: int = 768
-    patch_size: int = 14
-    merge_size: int = 2
-    temporal_patch_size: int = 2
-    image_mean: tuple[float, ...] = tuple(OPENAI_CLIP_MEAN)
-    image_std: tuple[float, ...] = tuple(OPENAI_CLIP_STD)
-
-    video_processor_type = "Qwen2VLVideoProcessor"  # written into video_preprocessor_config.json
-
-    def __post_init__(self):
-        for field in fields(self):
-            value = getattr(self, field.name)
-            if field.name not in ("image_mean", "image_std") and not value > 0:
-                raise ValueError(f"video processor {field.name}={value!r} is invalid: allowed a positive number")
-        if self.min_pixels > self.max_pixels or self.min_frames > self.max_frames:
-            raise ValueError(f"video processor min/max are inverted: pixels {self.min_pixels}..{self.max_pixels}, "
-                             f"frames {self.min_frames}..{self.max_frames}")
-        if self.max_frames < self.temporal_patch_size:
-            raise ValueError(f"video processor max_frames={self.max_frames} is invalid: allowed at least "
-                             f"temporal_patch_size={self.temporal_patch_size}")
-
-    @classmethod
-    def from_pretrained(cls, directory: str | os.PathLike, **defaults) -> QwenVideoProcessor:
-        """The settings a checkpoint saved (``video_preprocessor_config.json``), else ``defaults``."""
-        processor = cls(**defaults)
-        path = Path(directory) / CONFIG_NAME
-        if not path.is_file():
-            return processor
-        saved = json.loads(path.read_text())
-        size = saved.get("size") or {}
-        saved.update(min_pixels=size.get("shortest_edge", saved.get("min_pixels")),
-                     max_pixels=size.get("longest_edge", saved.get("max_pixels")))
-        given = {f.name: saved[f.name] for f in fields(cls) if saved.get(f.name) is not None}
-        return replace(processor, **{k: tuple(v) if isinstance(v, list) else v for k, v in given.items()})
-
-    def save_pretrained(self, directory: str | os.PathLike) -> None:
-        settings = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("min_pixels", "max_pixels")}
-        settings.update(size={"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels},
-                        do_sample_frames=True, video_processor_type=self.video_processor_type)
-        (Path(directory) / CONFIG_NAME).write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
-
-    def frame_indices(self, info: VideoInfo) -> list[int]:
-        """The frames sampled from the video, in order."""
-        total, step = info.num_frames, self.temporal_patch_size
-        most = math.floor(min(self.max_frames, total) / step) * step
-        wanted = min(max(total / info.fps * self.fps, self.min_frames), most, total)
-        count = math.floor(wanted / step) * step
-        if count == 0:
-            return list(range(total))
-        return torch.arange(0, total, total / count).int().tolist()
-
-    def frame_size(self, info: VideoInfo) -> tuple[int, int]:
-        """``(height, width)`` every sampled frame is resized to (raises for an aspect ratio over 200)."""
-        return smart_resize(info.height, info.width, factor=self.patch_size * self.merge_size,
-                            min_pixels=self.min_pixels, max_pixels=self.max_pixels)
-
-    def grid_thw(self, info: VideoInfo) -> tuple[int, int, int]:
-        height, width = self.frame_size(info)
-        frames = len(self.frame_indices(info))
-        return -(-frames // self.temporal_patch_size), height // self.patch_size, width // self.patch_size
-
-    def token_count(self, info: VideoInfo) -> int:
-        """Placeholder tokens of the video, from metadata alone."""
-        return math.prod(self.grid_thw(info)) // self.merge_size**2
-
-    def __call__(self, videos: list[VideoInfo]) -> tuple[dict[str, torch.Tensor], list[int]]:
-        """``pixel_values_videos`` (patches of every video, in order), ``video_grid_thw`` and each video's token
-        count; the frames are decoded here."""
-        patches, grids = [], []
-        for info in videos:
-            height, width = self.frame_size(info)
-            frames = load_video_frames(info, self.frame_indices(info))
-            pixels = np.stack([np.asarray(frame.resize((width, height), Image.Resampling.BICUBIC)) for frame in frames])
-            patches.append(self.patchify(self.normalize(pixels)))
-            grids.append(self.grid_thw(info))
-        grid = torch.tensor(grids, dtype=torch.long)
-        counts = (grid.prod(-1) // self.merge_size**2).tolist()
-        return {"pixel_values_videos": torch.from_numpy(np.concatenate(patches)), "video_grid_thw": grid}, counts
-
-    def normalize(self, pixels: np.ndarray) -> np.ndarray:
-        """``(T, H, W, C)`` uint8 -> ``(T, C, H, W)`` float32, rescaled to [0, 1] and normalised."""
-        values = (pixels.astype(np.float64) / 255.0).astype(np.float32)
-        values = (values - np.float32(self.image_mean)) / np.float32(self.image_std)
-        return values.transpose(0, 3, 1, 2)
-
-    def patchify(self, frames: np.ndarray) -> np.ndarray:
-        """``(T, C, H, W)`` -> ``(t * h * w, C * temporal_patch_size * patch_size**2)`` in the processor's order."""
-        step, patch, merge = self.temporal_patch_size, self.patch_size, self.merge_size
-        if pad := -len(frames) % step:
-            frames = np.concatenate([frames, np.repeat(frames[-1:], pad, axis=0)])
-        count, channels, height, width = frames.shape
-        t, h, w = count // step, height // patch, width // patch
-        blocks = frames.reshape(t, step, channels, h // merge, merge, patch, w // merge, merge, patch)
-        return blocks.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(t * h * w, channels * step * patch * patch)
+def normalize_frames(pixels: np.ndarray, mean: Sequence[float], std: Sequence[float]) -> np.ndarray:
+    """``(T, H, W, C)`` uint8 -> ``(T, C, H, W)`` float32, rescaled to [0, 1] and normalised by ``mean`` / ``std``."""
+    values = (pixels.astype(np.float64) / 255.0).astype(np.float32)
+    values = (values - np.float32(mean)) / np.float32(std)
+    return values.transpose(0, 3, 1, 2)
 
 
-@dataclass(frozen=True)
-class Qwen3VideoProcessor(QwenVideoProcessor):
-    """``Qwen3VLVideoProcessor``'s sampling, clip-wide size and frame timestamps on the Qwen2-VL patch layout
-    (Qwen3-VL, Qwen3.5). ``min_pixels`` / ``max_pixels`` bound the whole clip (sampled frames x height x width)."""
-
-    min_pixels: int = 128 * 32 * 32
-    max_pixels: int = 768 * 32 * 32
-    patch_size: int = 16
-    image_mean: tuple[float, ...] = (0.5, 0.5, 0.5)
-    image_std: tuple[float, ...] = (0.5, 0.5, 0.5)
-
-    video_processor_type = "Qwen3VLVideoProcessor"
-
-    def frame_indices(self, info: VideoInfo) -> list[int]:
-        """``Qwen3VLVideoProcessor.sample_frames`` with ``fps``."""
-        total = info.num_frames
-        count = min(max(int(total / info.fps * self.fps), self.min_frames), self.max_frames, total)
-        return np.linspace(0, total - 1, count).round().astype(int).tolist()
-
-    def frame_size(self, info: VideoInfo) -> tuple[int, int]:
-        """``(height, width)`` of every sampled frame: transformers' clip-wide ``smart_resize`` (raises for fewer
-        sampled frames than ``temporal_patch_size`` and for an aspect ratio over 200)."""
-        # imported here: the module pulls in transformers' video processing (about a second), which only Qwen3 needs
-        from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as clip_smart_resize
-
-        return clip_smart_resize(len(self.frame_indices(info)), info.height, info.width,
-                                 temporal_factor=self.temporal_patch_size, factor=self.patch_size * self.merge_size,
-                                 min_pixels=self.min_pixels, max_pixels=self.max_pixels)
-
-    def timestamps(self, info: VideoInfo) -> list[float]:
-        """Seconds of each temporal patch, as ``Qwen3VLProcessor`` computes them for the text: the sampled indices
-        (the last repeated to fill the last patch) over the source rate, first and last frame of a patch averaged."""
-        indices, step = self.frame_indices(info), self.temporal_patch_size
-        indices += indices[-1:] * (-len(indices) % step)
-        seconds = [index / info.fps for index in indices]
-        return [(seconds[i] + seconds[i + step - 1]) / 2 for i in range(0, len(seconds), step)]
+def patchify(frames: np.ndarray, patch_size: int, merge_size: int, temporal_patch_size: int) -> np.ndarray:
+    """``(T, C, H, W)`` -> ``(t * h * w, C * temporal_patch_size * patch_size**2)``, merge block by merge block."""
+    step, patch, merge = temporal_patch_size, patch_size, merge_size
+    if pad := -len(frames) % step:
+        frames = np.concatenate([frames, np.repeat(frames[-1:], pad, axis=0)])
+    count, channels, height, width = frames.shape
+    t, h, w = count // step, height // patch, width // patch
+    blocks = frames.reshape(t, step, channels, h // merge, merge, patch, w // merge, merge, patch)
+    return blocks.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(t * h * w, channels * step * patch * patch)

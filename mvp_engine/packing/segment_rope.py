@@ -1,0 +1,79 @@
+"""Per-segment multimodal RoPE for packed rows: a model's own ``get_rope_index`` run on each packed segment alone.
+
+transformers 5.24's multimodal-RoPE models share one contract: the base model's ``get_rope_index(input_ids,
+mm_token_type_ids, <kind>_grid_thw, ...)`` walks each row as ONE sequence, runs of placeholder tokens (each media
+kind with its own code in ``mm_token_type_ids``) consuming that kind's grids in order across rows. Run on a packed
+row it would continue positions across samples, so each segment's slice gets its own call with only that segment's
+grids. Whatever the model does inside ``get_rope_index`` (how time advances, whether a clip's grid splits into one
+frame per run, how the rotary sections interleave) stays inside it: the per-segment call is what one-by-one
+computes. The recipe says which token is which media kind (the type codes) and how many grid cells one token covers.
+
+The positions are (4, B, L): row 0 the per-segment text positions (what ``create_causal_mask`` and flash's
+position-based varlen fallback read), rows 1..3 the rotary rows. Masks, guards and media order are ``inputs``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from mvp_engine.kit.mllm.data.media import MediaKind
+
+from .attention import row_segments
+from .inputs import check_media_placement, text_positions
+from .unwrap import unwrap_model
+
+POSITION_ROWS = 4  # the text row, then the three rotary rows
+
+
+def token_type_ids(input_ids: torch.Tensor, codes: Mapping[int, int]) -> torch.Tensor:
+    """The modality map ``get_rope_index`` walks: ``codes[token_id]`` where a token is a placeholder, 0 (text)
+    elsewhere."""
+    types = torch.zeros_like(input_ids, dtype=torch.int)
+    for token_id, code in codes.items():
+        types[input_ids == token_id] = code
+    return types
+
+
+def _base_model(model):
+    """The base model (owner of ``get_rope_index``) inside a ``...ForConditionalGeneration``."""
+    return model.model if hasattr(model, "lm_head") else model
+
+
+def _segment_grids(batch: dict[str, Any], types: torch.Tensor, kind: MediaKind, code: int,
+                   merge_size: int) -> dict[tuple[int, int], torch.Tensor]:
+    """``(row, segment)`` -> that segment's grids of ``kind``, each segment's placeholders checked against them."""
+    grids = batch.get(kind.grid_key)
+    tokens = [] if grids is None else (grids.prod(-1) // merge_size**2).tolist()
+    owners = check_media_placement(batch, types == code, tokens, kind)
+    items: dict[tuple[int, int], list[int]] = {}
+    for index, owner in enumerate(owners):
+        items.setdefault(owner, []).append(index)
+    return {owner: grids[indices] for owner, indices in items.items()}
+
+
+def segment_rope_positions(batch: dict[str, Any], model, types: torch.Tensor,
+                           media: Sequence[tuple[MediaKind, int]], merge_size: int) -> torch.Tensor:
+    """(4, B, L) positions: row 0 the per-segment text positions, rows 1..3 the model's own ``get_rope_index`` run
+    on each segment's slice with only that segment's grids of every ``(kind, code)`` in ``media`` (``types``: the
+    batch's modality map, ``code`` marking ``kind``'s placeholders; one placeholder per ``merge_size**2`` grid
+    cells). Padding and text-only segments keep the text positions in all 4 rows."""
+    input_ids, segment_ids = batch["input_ids"], batch["pack_segment_ids"]
+    positions = text_positions(batch).unsqueeze(0).repeat(POSITION_ROWS, 1, 1)
+    grids = {kind: _segment_grids(batch, types, kind, code, merge_size) for kind, code in media}
+    get_rope_index = _base_model(unwrap_model(model)).get_rope_index
+    for row, runs in enumerate(row_segments(segment_ids)):
+        for seg, start, end in runs:
+            owned = {kind.grid_key: grids[kind].get((row, seg)) for kind, _ in media}
+            if all(value is None for value in owned.values()):
+                continue  # padding, or text-only: get_rope_index gives the same arange as row 0
+            rope, _ = get_rope_index(
+                input_ids[row : row + 1, start:end],
+                mm_token_type_ids=types[row, start:end].unsqueeze(0),
+                # cloned: a model may edit its grids in place (Qwen3-VL splits a clip's grid into frames)
+                **{key: None if value is None else value.clone() for key, value in owned.items()},
+            )
+            positions[1:, row, start:end] = rope[:, 0].to(positions.dtype)
+    return positions

@@ -1,0 +1,38 @@
+"""What the Qwen vision-language recipes share (``recipes/qwen2_vl``, ``recipes/qwen3_vl``, ``recipes/qwen3_5``):
+a family package, not a recipe (no entry point, no config), written once and imported by each.
+
+- ``tokens``: the special tokens (ChatML turns, ``<|image_pad|>`` / ``<|video_pad|>`` inside
+  ``<|vision_start|>...<|vision_end|>``).
+- ``video``: :class:`QwenVideoProcessor` (Qwen2-VL) and :class:`Qwen3VideoProcessor` (Qwen3-VL, Qwen3.5): frame
+  sampling, sizes, timestamps and patch layout with numpy/PIL.
+- ``processor``: :class:`QwenProcessorBundle` / :func:`build_qwen_processor` (tokenizer, image and video processors).
+- ``model``: :func:`build_qwen_model` (pretrained or a tiny seeded init wired to the tokenizer's special tokens),
+  :func:`qwen_dummy_media`.
+- ``encoder``: :class:`QwenSampleEncoder` (ChatML, Qwen2-VL's video text) and :class:`Qwen3SampleEncoder`
+  (Qwen3-VL's timestamped frame runs).
+- ``packed``: ``prepare_packed`` / ``prepare_padded`` with per-segment M-RoPE, which each recipe binds to its own
+  attention backends.
+"""
+
+from .encoder import Qwen3SampleEncoder, QwenSampleEncoder
+from .model import build_qwen_model, qwen_dummy_media, qwen_tiny_config
+from .packed import media_kwargs, mm_token_type_ids, packed_position_ids, prepare_packed, prepare_padded
+from .processor import QwenProcessorBundle, build_qwen_processor
+from .video import Qwen3VideoProcessor, QwenVideoProcessor
+
+__all__ = [
+    "Qwen3SampleEncoder",
+    "Qwen3VideoProcessor",
+    "QwenProcessorBundle",
+    "QwenSampleEncoder",
+    "QwenVideoProcessor",
+    "build_qwen_model",
+    "build_qwen_processor",
+    "media_kwargs",
+    "mm_token_type_ids",
+    "packed_position_ids",
+    "prepare_packed",
+    "prepare_padded",
+    "qwen_dummy_media",
+    "qwen_tiny_config",
+]

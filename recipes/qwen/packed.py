@@ -1,0 +1,65 @@
+"""Packed and padded model kwargs the Qwen families share (Qwen2-VL, Qwen3-VL, Qwen3.5 in transformers 5.24): each
+recipe binds ``prepare_packed`` to its own backends and documents how its model consumes the positions.
+
+What is Qwen here: the modality map (``mm_token_type_ids``: 1 on ``config.image_token_id``, 2 on
+``config.video_token_id``), one placeholder per ``vision_config.spatial_merge_size**2`` grid cells, and the media
+layout (``pixel_values`` / ``pixel_values_videos`` rows, one per patch of the ``image_grid_thw`` / ``video_grid_thw``
+grids). The per-segment driving of the model's own ``get_rope_index`` into (4, B, L) positions is generic
+(``mvp_engine.packing.segment_rope``); masks, guards and media order are ``mvp_engine.packing.inputs``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mvp_engine.kit.mllm.data.media import IMAGES, VIDEOS
+from mvp_engine.packing import prepare_packed_inputs, prepare_padded_inputs, unwrap_model
+from mvp_engine.packing.segment_rope import POSITION_ROWS, segment_rope_positions, token_type_ids
+
+MEDIA = ((IMAGES, 1), (VIDEOS, 2))  # each media kind with its mm_token_type_ids code
+
+
+def mm_token_type_ids(input_ids: torch.Tensor, config) -> torch.Tensor:
+    """0 text, 1 image placeholder, 2 video placeholder: the modality map ``get_rope_index`` walks."""
+    return token_type_ids(input_ids, {config.image_token_id: 1, config.video_token_id: 2})
+
+
+def packed_position_ids(batch: dict[str, Any], model) -> torch.Tensor:
+    """(4, B, L) positions: row 0 the per-segment text positions, rows 1..3 the model's own ``get_rope_index`` run
+    on each segment's slice with only that segment's image and video grids."""
+    config = unwrap_model(model).config
+    return segment_rope_positions(batch, model, mm_token_type_ids(batch["input_ids"], config), MEDIA,
+                                  config.vision_config.spatial_merge_size)
+
+
+def media_kwargs(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Pixels and grids of the batch's images and videos, each checked to hold the patches its grids need."""
+    kwargs = {}
+    for kind, _ in MEDIA:
+        grids = batch.get(kind.grid_key)
+        if grids is None or grids.shape[0] == 0:
+            continue
+        pixels, needed = batch[kind.patch_key], int(grids.prod(-1).sum())
+        if pixels.shape[0] != needed:
+            raise ValueError(f"{kind.patch_key} has {pixels.shape[0]} patches, {kind.grid_key} needs {needed}")
+        kwargs.update({kind.patch_key: pixels, kind.grid_key: grids})
+    return kwargs
+
+
+def prepare_packed(batch: dict[str, Any], model, attn_implementation: str, *,
+                   supported: tuple[str, ...]) -> dict[str, Any]:
+    """Model kwargs for a packed batch on one of the recipe's ``supported`` backends: ``input_ids``, media,
+    (4, B, L) ``position_ids``, the backend's attention inputs (and a hybrid model's linear-attention boundaries),
+    ``use_cache=False``. Labels are not included: the engine computes the loss from the logits."""
+    return prepare_packed_inputs(batch, model, attn_implementation, position_ids=packed_position_ids(batch, model),
+                                 position_rows=POSITION_ROWS, media=media_kwargs(batch), supported=supported)
+
+
+def prepare_padded(batch: dict[str, Any], model, attn_implementation: str) -> dict[str, Any]:
+    """Model kwargs for the unpacked baseline: one sample per row, a 2-D padding mask, positions computed by the
+    model (``mm_token_type_ids`` passed so its M-RoPE sees the images and videos), ``use_cache=False``."""
+    config = unwrap_model(model).config
+    return prepare_padded_inputs(batch, model, attn_implementation, media=media_kwargs(batch),
+                                 mm_token_type_ids=mm_token_type_ids(batch["input_ids"], config))
