@@ -30,22 +30,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # run as ``python tools/bench_balance.py`` without an installed package
-    sys.path.insert(0, str(REPO_ROOT))
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from mvp_engine.engine.flops import cost_profile  # noqa: E402
-from mvp_engine.kit.mllm.data import (  # noqa: E402
+from mvp_engine.engine.flops import cost_profile
+from mvp_engine.engine.testing import launch, write_image
+from mvp_engine.kit.mllm.data import (
     CostProfile,
     MLLMPackingAssembler,
     MLLMPackingSpec,
@@ -54,10 +48,11 @@ from mvp_engine.kit.mllm.data import (  # noqa: E402
     imbalance_summary,
     pack_costs,
 )
-from mvp_engine.kit.mllm.data.balance import balance_rng  # noqa: E402
+from mvp_engine.kit.mllm.data.balance import balance_rng
 
 TARGET_MEAN, TARGET_P95 = 1.05, 1.15
 RANKS = 8
+RECIPE = "qwen2_vl"
 
 
 # --- simulate ------------------------------------------------------------------------------------------------------
@@ -156,33 +151,40 @@ def simulate(mix: Mix, per_rank: int, window: int, seed: int = 0) -> dict:
             "compute": imbalance_summary(costs(balanced), layout)}
 
 
-def _verdict(summary: dict, balance: str) -> str:
+def verdict(summary: dict, balance: str) -> str:
+    """OK / MISS against the targets for balance compute; "-" for none (the baseline has no target)."""
     if balance == "none":
         return "-"
     ok = summary["mean"] <= TARGET_MEAN and summary["p95"] <= TARGET_P95
     return "OK" if ok else "MISS"
 
 
-def run_simulate(args) -> int:
+def simulate_rows(args) -> list[dict]:
+    """One row per mix, packs per rank per step and balance: the imbalance summary and its verdict."""
     rng = np.random.default_rng(args.seed)
     mixes = {"llava": lambda: llava_mix(args.samples, rng), "video": lambda: video_mix(args.samples // 2, rng)}
-    print(f"per-step imbalance (max / mean per-rank useful FLOPs) at {RANKS} simulated ranks, bfd plans, window "
-          f"{args.window} steps; targets with balance compute: mean <= {TARGET_MEAN}, p95 <= {TARGET_P95}")
-    print("| mix | packs | packs/rank/step | balance | mean | p95 | max | tail step | idle share | target |")
-    print("|---|---:|---:|---|---:|---:|---:|---:|---:|---|")
-    misses = 0
+    rows = []
     for name in args.mixes:
         mix = mixes[name]()
         for per_rank in args.per_rank:
             result = simulate(mix, per_rank, args.window, args.seed)
-            for balance in ("none", "compute"):
-                s = result[balance]
-                verdict = _verdict(s, balance)
-                misses += verdict == "MISS"
-                tail = ", ".join(f"{x:.2f}" for x in s["tail"]) or "-"
-                print(f"| {name} | {result['packs']} | {per_rank} | {balance} | {s['mean']:.3f} | {s['p95']:.3f} | "
-                      f"{s['max']:.3f} | {tail} | {s['idle_fraction']:.1%} | {verdict} |")
-    return 1 if misses else 0
+            rows += [{"mix": name, "packs": result["packs"], "per_rank": per_rank, "balance": balance,
+                      **result[balance], "verdict": verdict(result[balance], balance)}
+                     for balance in ("none", "compute")]
+    return rows
+
+
+def run_simulate(args) -> int:
+    rows = simulate_rows(args)
+    print(f"per-step imbalance (max / mean per-rank useful FLOPs) at {RANKS} simulated ranks, bfd plans, window "
+          f"{args.window} steps; targets with balance compute: mean <= {TARGET_MEAN}, p95 <= {TARGET_P95}")
+    print("| mix | packs | packs/rank/step | balance | mean | p95 | max | tail step | idle share | target |")
+    print("|---|---:|---:|---|---:|---:|---:|---:|---:|---|")
+    for r in rows:
+        tail = ", ".join(f"{x:.2f}" for x in r["tail"]) or "-"
+        print(f"| {r['mix']} | {r['packs']} | {r['per_rank']} | {r['balance']} | {r['mean']:.3f} | {r['p95']:.3f} | "
+              f"{r['max']:.3f} | {tail} | {r['idle_fraction']:.1%} | {r['verdict']} |")
+    return 1 if any(r["verdict"] == "MISS" for r in rows) else 0
 
 
 # --- measure: two real ranks -----------------------------------------------------------------------------------------
@@ -193,8 +195,6 @@ VISION_OVERRIDES = ["model.config.vision_config.embed_dim=128", "model.config.vi
 
 def write_uneven_mix(out: Path, records: int) -> Path:
     """Text-only records next to records with one or two 448 px images (256 merged tokens, 1,024 patches each)."""
-    from mvp_engine.engine.testkit.records import write_image
-
     images = out / "images"
     images.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
@@ -215,18 +215,15 @@ def write_uneven_mix(out: Path, records: int) -> Path:
     return path
 
 
-def launch(run_dir: Path, overrides: list[str], nproc: int) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "recipes.qwen2_vl.train", f"hydra.run.dir={run_dir}", *overrides]
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "recipes.qwen2_vl.train", f"hydra.run.dir={run_dir}", *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+def train(run_dir: Path, overrides: list[str], nproc: int) -> None:
+    """A Qwen2-VL training run to its end (the testkit's launch: one thread per process), stopping on failure."""
+    done = launch(RECIPE, run_dir, overrides, nproc=nproc, timeout=None, check=False)
     if done.returncode:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-4000:]}")
+        raise SystemExit(f"{' '.join(done.args)} failed:\n{done.stderr[-4000:]}")
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
+    """Every column of ``metrics.jsonl``, the wall-clock ones included (what this bench measures)."""
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -236,7 +233,8 @@ def _curve(losses: list[float]) -> str:
             f"mean of the last quarter {sum(quarter) / len(quarter):.3f} ({len(losses)} steps)")
 
 
-def run_measure(args) -> int:
+def measure_balance(args) -> dict:
+    """Two real ranks per balance setting: each rank's compute and barrier wait per step, and the loss curve."""
     out = Path(args.out)
     data = write_uneven_mix(out / "data", args.records)
     common = ["+packing=bfd", f"data.sources=[{data}]", "data.max_seq_len=1024", f"train.epochs={args.epochs}",
@@ -246,7 +244,7 @@ def run_measure(args) -> int:
     for balance in ("none", "compute"):
         run_dir = out / f"balance_{balance}"
         started = time.perf_counter()
-        launch(run_dir, [*common, f"packing.balance={balance}"], nproc=2)
+        train(run_dir, [*common, f"packing.balance={balance}"], nproc=2)
         metrics = read_metrics(run_dir)
         compute = np.array([m["compute_ms"] for m in metrics])
         wait = np.array([m["barrier_wait_ms"] for m in metrics])
@@ -255,6 +253,11 @@ def run_measure(args) -> int:
                             "slowest_ms": float(compute.max(axis=1).mean()),
                             "step_ms": float((compute + wait).max(axis=1).mean()),
                             "losses": [m["loss"] for m in metrics]}
+    return results
+
+
+def run_measure(args) -> int:
+    results = measure_balance(args)
     print(f"2 ranks (torchrun, gloo, CPU, 1 thread each), tiny Qwen2-VL with a 128-wide 4-block vision tower, "
           f"{args.records} records (text-only / one or two 448 px images), bfd at 1024, one pack per rank per step, "
           f"train.time_barrier=true")
@@ -266,7 +269,7 @@ def run_measure(args) -> int:
               f"{r['wait_ms'][0]:.0f} | {r['wait_ms'][1]:.0f} | {r['slowest_ms']:.0f} | {r['step_ms']:.0f} |")
     for balance, r in results.items():
         print(f"loss, balance {balance}: {_curve(r['losses'])}")
-    (out / "measure.json").write_text(json.dumps(results, indent=2))
+    (Path(args.out) / "measure.json").write_text(json.dumps(results, indent=2))
     return 0
 
 
@@ -280,7 +283,7 @@ def run_loss(args) -> int:
     curves = {}
     for balance in ("none", "compute"):
         run_dir = out / f"balance_{balance}"
-        launch(run_dir, [*common, f"packing.balance={balance}"], nproc=args.nproc)
+        train(run_dir, [*common, f"packing.balance={balance}"], nproc=args.nproc)
         curves[balance] = [m["loss"] for m in read_metrics(run_dir)]
         print(f"demo loss, balance {balance}: {_curve(curves[balance])}")
     import matplotlib
@@ -307,7 +310,7 @@ def run_loss(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command")
     sim = sub.add_parser("simulate")
@@ -326,7 +329,11 @@ def main(argv: list[str] | None = None) -> int:
     loss.add_argument("--epochs", type=int, default=3)
     loss.add_argument("--micro-batch", type=int, default=1)
     loss.add_argument("--nproc", type=int, default=1)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.command == "measure":
         return run_measure(args)
     if args.command == "loss":

@@ -68,7 +68,7 @@ failed or missing measurement is a MISS:
         [--hidden 256 --intermediate 512 --layers 2 --heads 4 --kv-heads 2] [--repeats 2] [--threads 1]
         [--memory-limit-gib 16] [--timeout-s 600] [--default-backend sdpa_varlen] [--json PATH]
 
-``--backends`` defaults to every backend the recipe offers (``recipes.qwen2_vl.packed.ATTENTION_BACKENDS``); those
+``--backends`` defaults to every backend the recipe offers (its ``Recipe.attention_backends``); those
 this machine cannot train with (``check_attention``: flash needs CUDA and flash_attn) are skipped with the reason
 printed. Progress goes to stderr, the table and the targets to stdout. ``main(argv)`` returns what it printed as a
 dict (used by ``tests/test_bench_long.py``).
@@ -88,28 +88,23 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # run as ``python tools/bench_long.py`` without an installed package
-    sys.path.insert(0, str(REPO_ROOT))
+import psutil
+import torch
+from omegaconf import OmegaConf
 
-import psutil  # noqa: E402
-import torch  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
-
-from mvp_engine.engine.config import ConfigError, check_attention  # noqa: E402
-from mvp_engine.engine.loss import weighted_token_loss  # noqa: E402
-from mvp_engine.engine.testing import compose_config  # noqa: E402
-from mvp_engine.kit.mllm.data import IGNORE_INDEX, MLLMCollator, MLLMPack, MLLMSample  # noqa: E402
-from recipes.qwen2_vl.model import build_model  # noqa: E402
-from recipes.qwen2_vl.packed import ATTENTION_BACKENDS, prepare_packed, prepare_padded  # noqa: E402
+from mvp_engine.engine.config import ConfigError, check_attention
+from mvp_engine.engine.loss import weighted_token_loss
+from mvp_engine.engine.recipe import Recipe
+from mvp_engine.engine.testing import compose_config, load_recipe
+from mvp_engine.kit.mllm.data import IGNORE_INDEX, MLLMCollator, MLLMPack, MLLMSample
 
 RECIPE = "qwen2_vl"
 REFERENCE = "one-by-one"
 REFERENCE_BACKEND = "sdpa"
 DEFAULT_LENGTHS = (4096, 8192, 16384, 32768)
-DEFAULT_BACKENDS = ATTENTION_BACKENDS  # every backend the recipe offers; the ones this machine cannot run are skipped
 
 TARGET_PEAK_GIB = 2.5
 TARGET_GROWTH_SLACK = 1.5
@@ -127,8 +122,7 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters (malloc.
 WORKER_RUN_NAME = "__bench_long_worker__"
 # imported once by the forkserver, so each measuring process starts with them loaded
 PRELOAD = ["psutil", "torch", "transformers", "omegaconf", "mvp_engine.engine.config", "mvp_engine.engine.loss",
-           "mvp_engine.engine.testing", "mvp_engine.kit.mllm.data", "recipes.qwen2_vl.model",
-           "recipes.qwen2_vl.packed"]
+           "mvp_engine.engine.testing", "mvp_engine.kit.mllm.data", f"recipes.{RECIPE}.train"]
 
 
 # ------------------------------------------------------------------------------------------ rows and the model
@@ -246,19 +240,19 @@ def set_malloc_thresholds(mmap_bytes: int, trim_bytes: int) -> bool:
         return False
 
 
-def packed_step(model, batch: dict, backend: str) -> None:
+def packed_step(recipe: Recipe, model, batch: dict, backend: str) -> None:
     """prepare_packed + forward + token-mean loss + backward of the packed row."""
-    logits = model(**prepare_packed(batch, model, backend)).logits
+    logits = model(**recipe.prepare_packed(batch, model, backend)).logits
     loss = weighted_token_loss(logits, batch["labels"], batch["pack_segment_ids"], "token")
     (loss.weighted_sum / loss.weight_total).backward()
 
 
-def one_by_one_pass(model, batches: list[dict], total_targets: int) -> float:
+def one_by_one_pass(recipe: Recipe, model, batches: list[dict], total_targets: int) -> float:
     """Every segment alone (prepare_padded + forward + loss + backward, gradients accumulating); summed step time."""
     seconds = 0.0
     for batch in batches:
         start = time.perf_counter()
-        logits = model(**prepare_padded(batch, model, REFERENCE_BACKEND)).logits
+        logits = model(**recipe.prepare_padded(batch, model, REFERENCE_BACKEND)).logits
         loss = weighted_token_loss(logits, batch["labels"], batch["pack_segment_ids"], "token")
         (loss.weighted_sum / total_targets).backward()
         seconds += time.perf_counter() - start
@@ -300,19 +294,20 @@ def run_spec(spec: dict) -> dict:
         torch.set_num_threads(spec["threads"])
     reference = spec["backend"] == REFERENCE
     backend = REFERENCE_BACKEND if reference else spec["backend"]
-    model = build_model(spec["model_cfg"], backend).train()
+    recipe = load_recipe(RECIPE)
+    model = recipe.build_model(spec["model_cfg"], backend).train()
     pad = model.config.text_config.pad_token_id
     samples = make_samples(spec["segments"], model.config, spec["seed"])
     row = collate(samples, pad)
     if reference:
         alone = [collate([sample], pad) for sample in samples]
         total = supervised_targets(row)
-        result = measured_runs(model, lambda: one_by_one_pass(model, alone, total), spec["repeats"],
+        result = measured_runs(model, lambda: one_by_one_pass(recipe, model, alone, total), spec["repeats"],
                                started, spec["timeout_s"])
     else:
         def timed_step() -> float:
             start = time.perf_counter()
-            packed_step(model, row, backend)
+            packed_step(recipe, model, row, backend)
             return time.perf_counter() - start
         result = measured_runs(model, timed_step, spec["repeats"], started, spec["timeout_s"])
     result["malloc_thresholds_set"] = fixed and result["malloc_thresholds_set"]
@@ -400,10 +395,11 @@ def measure(context, spec: dict, args: argparse.Namespace, workdir: Path) -> dic
 
 def runnable_backends(requested: list[str]) -> tuple[list[str], dict[str, str]]:
     """The backends of ``requested`` this recipe and machine can train with, and why each other one is skipped."""
+    offered = load_recipe(RECIPE).attention_backends
     runnable, skipped = [], {}
     for name in dict.fromkeys(requested):
         try:
-            check_attention(name, ATTENTION_BACKENDS)
+            check_attention(name, offered)
             runnable.append(name)
         except ConfigError as err:
             skipped[name] = str(err)
@@ -414,36 +410,47 @@ def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def run_all(args: argparse.Namespace, model_cfg: dict, backends: list[str],
-            segments: dict[int, list[int]]) -> tuple[list[dict], dict[int, dict]]:
-    """Every length: the one-by-one reference, then each backend, each in its own process."""
-    context = worker_context()
+def run_all(lengths: list[int], backends: list[str],
+            measure_one: Callable[[str, int], dict]) -> tuple[list[dict], dict[int, dict]]:
+    """Every length: the one-by-one reference, then each backend (``measure_one(name, length)``); a name that failed
+    at some L is not run at larger L (it would fail again). Each row's ratio is its step over the reference's."""
     rows, references, failed_at = [], {}, {}
-    with tempfile.TemporaryDirectory(prefix="bench_long-") as tmp:
-        for length in args.lengths:
-            base = {"model_cfg": model_cfg, "segments": segments[length], "threads": args.threads,
-                    "repeats": args.repeats, "seed": args.seed, "timeout_s": args.timeout_s}
-            for name in (REFERENCE, *backends):
-                if name in failed_at:
-                    result = {"error": f"not run: failed at L={failed_at[name]} already"}
-                else:
-                    progress(f"measuring {name} at L={length} ...")
-                    started = time.perf_counter()
-                    result = measure(context, {**base, "backend": name}, args, Path(tmp))
-                    progress(f"  done in {time.perf_counter() - started:.1f} s"
-                             + (f": failed: {result['error']}" if "error" in result else ""))
-                if "error" in result:
-                    failed_at.setdefault(name, length)
-                entry = {"backend": name, "length": length, **result}
-                if name == REFERENCE:
-                    references[length] = entry
-                else:
-                    rows.append(entry)
+    for length in lengths:
+        for name in (REFERENCE, *backends):
+            if name in failed_at:
+                result = {"error": f"not run: failed at L={failed_at[name]} already"}
+            else:
+                result = measure_one(name, length)
+            if "error" in result:
+                failed_at.setdefault(name, length)
+            entry = {"backend": name, "length": length, **result}
+            if name == REFERENCE:
+                references[length] = entry
+            else:
+                rows.append(entry)
     for row in rows:
         reference = references[row["length"]]
         ok = "error" not in row and "error" not in reference
         row["ratio"] = row["step_s"] / reference["step_s"] if ok and reference["step_s"] > 0 else None
     return rows, references
+
+
+def measure_all(args: argparse.Namespace, model_cfg: dict, backends: list[str],
+                segments: dict[int, list[int]]) -> tuple[list[dict], dict[int, dict]]:
+    """``run_all`` with each measurement in its own process forked from one forkserver, progress on stderr."""
+    context = worker_context()
+    with tempfile.TemporaryDirectory(prefix="bench_long-") as tmp:
+        def measure_one(name: str, length: int) -> dict:
+            spec = {"model_cfg": model_cfg, "segments": segments[length], "threads": args.threads,
+                    "repeats": args.repeats, "seed": args.seed, "timeout_s": args.timeout_s, "backend": name}
+            progress(f"measuring {name} at L={length} ...")
+            started = time.perf_counter()
+            result = measure(context, spec, args, Path(tmp))
+            progress(f"  done in {time.perf_counter() - started:.1f} s"
+                     + (f": failed: {result['error']}" if "error" in result else ""))
+            return result
+
+        return run_all(args.lengths, backends, measure_one)
 
 
 # --------------------------------------------------------------------------------------------------- report
@@ -542,22 +549,25 @@ def header_lines(args, model_cfg, backends, skipped, segments) -> list[str]:
     return lines
 
 
+def targets_for(backend: str, rows: list[dict], references: dict[int, dict], skipped: dict[str, str],
+                lengths: list[int]) -> list[dict]:
+    """The three targets of ``backend``, each with its value, its limit and its verdict."""
+    return [target_peak(rows, skipped, backend, lengths), target_growth(rows, skipped, backend, lengths),
+            target_step(rows, references, skipped, backend, lengths)]
+
+
 def report(args, model_cfg, backends, skipped, segments, rows, references, seconds) -> dict:
-    """Print the header, the table and the targets; return everything printed as a dict."""
+    """The header, the table and the targets as lines, with every number behind them."""
     lines = header_lines(args, model_cfg, backends, skipped, segments)
     lines.append(f"{'backend':<18s} {'L':>6s} {'step s':>10s} {'peak added MiB':>15s} {'step / one-by-one':>18s}")
     for length in args.lengths:
         lines.append(format_row({**references[length], "ratio": None}))
         lines += [format_row(r) for r in rows if r["length"] == length]
     backend = args.default_backend
-    targets = [target_peak(rows, skipped, backend, args.lengths),
-               target_growth(rows, skipped, backend, args.lengths),
-               target_step(rows, references, skipped, backend, args.lengths)]
+    targets = targets_for(backend, rows, references, skipped, args.lengths)
     lines.append(f"targets for {backend}:")
     lines += [f"  {t['line']}" for t in targets]
     lines.append(f"bench time {seconds:.1f} s")
-    for line in lines:
-        print(line)
     return {"recipe": RECIPE, "model": model_cfg["config"]["text_config"], "args": vars(args), "backends": backends,
             "skipped": skipped, "segments": {str(k): v for k, v in segments.items()}, "rows": rows,
             "references": [references[length] for length in args.lengths], "default_backend": backend,
@@ -567,8 +577,9 @@ def report(args, model_cfg, backends, skipped, segments, rows, references, secon
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=list(DEFAULT_LENGTHS), help="packed row lengths")
-    parser.add_argument("--backends", nargs="+", default=list(DEFAULT_BACKENDS),
-                        help="attention backends to try; those this machine cannot train with are skipped")
+    parser.add_argument("--backends", nargs="+", default=list(load_recipe(RECIPE).attention_backends),
+                        help="attention backends to try (default: every one the recipe offers); those this machine "
+                             "cannot train with are skipped")
     parser.add_argument("--default-backend", default="sdpa_varlen", help="the backend the targets are checked for")
     parser.add_argument("--hidden", type=int, default=256, help="text_config.hidden_size")
     parser.add_argument("--intermediate", type=int, default=512, help="text_config.intermediate_size")
@@ -609,8 +620,9 @@ def main(argv: list[str] | None = None) -> dict:
     model_cfg = model_config(args)
     segments = {length: segment_lengths(length, args.segment_median, args.segment_sigma, args.max_segment, args.seed)
                 for length in args.lengths}
-    rows, references = run_all(args, model_cfg, backends, segments)
+    rows, references = measure_all(args, model_cfg, backends, segments)
     result = report(args, model_cfg, backends, skipped, segments, rows, references, time.perf_counter() - started)
+    print("\n".join(result["lines"]))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
