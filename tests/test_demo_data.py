@@ -1,4 +1,5 @@
-"""The embedded demo data set: reproducible to the byte, readable, and mixed like real VLM SFT data."""
+"""The embedded demo data set: reproducible to the byte, readable, mixed like real VLM SFT data, and written by an
+entry point only (``with_demo_data``), never by building a ``Trainer``."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from mvp_engine.kit.mllm.data.demo import MANIFEST_NAME, demo_kind_counts, write_demo_dataset
+import mvp_engine.engine.testing as kit
+from mvp_engine.engine.config import ConfigError
+from mvp_engine.engine.demo import JSONL_NAME, MANIFEST_NAME, demo_kind_counts, with_demo_data, write_demo_dataset
+from mvp_engine.engine.trainer import Trainer
 from mvp_engine.kit.mllm.data.images import read_image_size
 from mvp_engine.kit.mllm.data.sources import read_records
 
@@ -105,7 +109,7 @@ def test_cli_writes_the_dataset(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "mvp_engine.kit.mllm.data.demo",
+            "mvp_engine.engine.demo",
             "--out",
             str(tmp_path),
             "--num-samples",
@@ -143,3 +147,27 @@ def test_videos_add_reproducible_clips_that_decode_as_their_headers_say(tmp_path
     assert "videos" not in json.loads((path.parent / MANIFEST_NAME).read_text())
     assert not list((path.parent / "videos").glob("*.mp4"))
     assert not any(record.video_paths for record in read_records(path))
+
+
+def test_with_demo_data_fills_only_empty_sources_of_an_enabled_demo(tmp_path: Path) -> None:
+    demo = [f"demo.out_dir={tmp_path / 'demo'}", "demo.num_samples=12"]
+    cfg = kit.compose_config("llava", demo)
+    filled = with_demo_data(cfg)
+    assert list(filled.data.sources) == [str(tmp_path / "demo" / JSONL_NAME)]
+    assert list(cfg.data.sources) == []  # a copy: the caller's config is left as it was
+    assert len(list(read_records(filled.data.sources[0]))) == 12
+    named = kit.compose_config("llava", [*demo, f"data.sources=[{filled.data.sources[0]}]"])
+    assert with_demo_data(named) is named
+    disabled = kit.compose_config("llava", ["demo.enabled=false", f"demo.out_dir={tmp_path / 'off'}"])
+    assert with_demo_data(disabled) is disabled and not (tmp_path / "off").exists()
+
+
+def test_building_a_trainer_writes_no_file_and_without_sources_it_says_what_to_do(tmp_path: Path) -> None:
+    run = [f"demo.out_dir={tmp_path / 'demo'}", "demo.num_samples=12", f"train.output_dir={tmp_path / 'run'}"]
+    with pytest.raises(ConfigError, match=r"^data.sources is empty: .*with_demo_data\(cfg\)"):
+        Trainer(kit.compose_config("llava", run), kit.load_recipe("llava"))
+    assert not (tmp_path / "demo").exists()
+    cfg = with_demo_data(kit.compose_config("llava", run))
+    written = snapshot(tmp_path)
+    Trainer(cfg, kit.load_recipe("llava"))
+    assert snapshot(tmp_path) == written and not (tmp_path / "run").exists()

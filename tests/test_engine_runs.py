@@ -15,6 +15,7 @@ from transformers import get_scheduler
 
 import mvp_engine.engine.testing as kit
 from mvp_engine.engine.config import ConfigError, resolve_attention, resolve_run_specs
+from mvp_engine.engine.demo import with_demo_data
 from mvp_engine.engine.trainer import Trainer, run_recipe
 
 CONF = kit.CONF_DIR
@@ -97,7 +98,7 @@ def test_llava_stage_one_trains_only_the_projector(tmp_path):
     cfg = kit.compose_config("llava", ["+packing=greedy", freeze, "demo.num_samples=24", "data.max_seq_len=512",
                                        "train.epochs=2", "train.warmup_ratio=0", f"train.output_dir={tmp_path}",
                                        f"demo.out_dir={tmp_path / 'demo'}"])
-    trainer = Trainer(cfg, kit.load_recipe("llava"))
+    trainer = Trainer(with_demo_data(cfg), kit.load_recipe("llava"))
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     summary = trainer.run()
     after = dict(trainer.model.named_parameters())

@@ -1,16 +1,16 @@
-"""``tools/pack_report.py`` and ``tools/estimate_steps.py`` on the demo data.
+"""The numbers of ``tools/pack_report.py`` and ``tools/estimate_steps.py`` (``mvp_engine.engine.plan_report``) on
+the demo data.
 
-Why: a report is only useful if its numbers are the run's numbers. These tests check that the files are
-written, that the report reconciles with a plan built independently through the kit, and that the step estimate
-equals ``Trainer.total_steps`` and the steps a real short run takes (whose token accounting must also equal the
-report's padding and attention numbers).
+Why: a report is only useful if its numbers are the run's numbers. These tests check that the CLI writes the
+computed numbers, that the report reconciles with a plan built independently through the kit, and that the step
+estimate equals ``Trainer.total_steps`` and the steps a real short run takes (whose token accounting must also equal
+the report's padding and attention numbers).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import re
 import subprocess
 import sys
 from dataclasses import asdict
@@ -20,21 +20,13 @@ import pytest
 from omegaconf import OmegaConf
 
 from mvp_engine.engine.config import ConfigError, resolve_run_specs
+from mvp_engine.engine.demo import JSONL_NAME, with_demo_data, write_demo_dataset
+from mvp_engine.engine.plan_report import compute_pack_report, compute_step_estimate
+from mvp_engine.engine.report_config import REPORT_DEFAULTS, ReportSpec, report_spec, resolve_world_size
 from mvp_engine.engine.testing import compose_config, load_recipe, packing_overrides
 from mvp_engine.engine.trainer import Trainer
 from mvp_engine.kit.mllm.data import MLLMDataKit
-from mvp_engine.kit.mllm.data.demo import write_demo_dataset
 from recipes.qwen2_vl.encoder import Qwen2VLSampleEncoder
-from tools.estimate_steps import compute_step_estimate
-from tools.pack_report import (
-    JSON_NAME,
-    PNG_NAME,
-    REPORT_DEFAULTS,
-    ReportSpec,
-    compute_pack_report,
-    report_spec,
-    resolve_world_size,
-)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RECIPE_NAME = "qwen2_vl"
@@ -55,46 +47,34 @@ def overrides(demo_dir: Path, packing: str | None, *extra: str) -> list[str]:
             f"data.max_seq_len={MAX_SEQ_LEN}", *extra]
 
 
+def composed(args: list[str]):
+    """The config a training command with ``args`` trains on (its entry point fills the demo sources)."""
+    return with_demo_data(compose_config(RECIPE_NAME, args))
+
+
 def reference_dataset(cfg, rank: int = 0, world_size: int = 1):
     """The dataset built straight through the kit, not through the tools' helpers."""
     recipe = load_recipe(RECIPE_NAME)
     specs = resolve_run_specs(cfg, recipe.attention_backends)
-    specs.data.sources = [str(Path(specs.demo.out_dir) / "demo.jsonl")]
+    specs.data.sources = [str(Path(specs.demo.out_dir) / JSONL_NAME)]
     encoder = recipe.build_encoder(recipe.build_processor(cfg.model))
     return MLLMDataKit.build_dataset(specs.data, encoder, rank=rank, world_size=world_size,
                                      drop_last=specs.train.drop_last), specs.train
 
 
-def run_tool(script: str, args: list[str]) -> str:
-    done = subprocess.run([sys.executable, f"tools/{script}", *args], cwd=REPO_ROOT, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
-
-
-# --- the command lines --------------------------------------------------------------------------------------
+# --- the command line ---------------------------------------------------------------------------------------
 
 
 def test_pack_report_cli_writes_json_and_png_of_the_computed_numbers(demo_dir, tmp_path):
+    """``python tools/pack_report.py`` runs as a plain script (no ``sys.path`` edit: the package is installed) and
+    writes exactly what ``compute_pack_report`` computes."""
     args = overrides(demo_dir, "greedy", f"+report.out_dir={tmp_path / 'report'}")
-    stdout = run_tool("pack_report.py", [*args, f"hydra.run.dir={tmp_path / 'run'}"])
-    assert "lower bound" in stdout and "padding ratio" in stdout and "estimated optimizer steps" in stdout
-    assert "cost per pack" in stdout and "cost per rank" in stdout and "at 8 simulated ranks" in stdout
-    assert "balance none:" in stdout and "balance compute:" in stdout
-    written = json.loads((tmp_path / "report" / JSON_NAME).read_text())
-    assert (tmp_path / "report" / PNG_NAME).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert written == json.loads(json.dumps(compute_pack_report(compose_config(RECIPE_NAME, args))))
-    assert f"estimated optimizer steps: {written['estimated_optimizer_steps']} " in stdout
-
-
-def test_estimate_steps_cli_prints_the_trainers_total(demo_dir, tmp_path):
-    args = overrides(demo_dir, "bfd", "train.micro_batch_size=3", "train.gradient_accumulation_steps=2")
-    stdout = run_tool("estimate_steps.py", [*args, f"hydra.run.dir={tmp_path / 'run'}"])
-    total = int(re.search(r"total optimizer steps: (\d+)", stdout).group(1))
-    assert "micro-batches per rank" in stdout and "packs" in stdout
-    trainer = Trainer(compose_config(RECIPE_NAME, [*args, f"train.output_dir={tmp_path / 'out'}"]),
-                      load_recipe(RECIPE_NAME))
-    assert total == trainer.total_steps
+    done = subprocess.run([sys.executable, "tools/pack_report.py", *args, f"hydra.run.dir={tmp_path / 'run'}"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    written = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert (tmp_path / "report" / "pack_report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert written == json.loads(json.dumps(compute_pack_report(composed(args))))
 
 
 # --- the numbers reconcile -----------------------------------------------------------------------------------
@@ -102,7 +82,7 @@ def test_estimate_steps_cli_prints_the_trainers_total(demo_dir, tmp_path):
 
 @pytest.mark.parametrize("packing", [None, "greedy", "bfd"])
 def test_report_numbers_reconcile_with_the_plan(demo_dir, packing):
-    cfg = compose_config(RECIPE_NAME, overrides(demo_dir, packing, "train.micro_batch_size=3"))
+    cfg = composed(overrides(demo_dir, packing, "train.micro_batch_size=3"))
     report = compute_pack_report(cfg)
     dataset, train = reference_dataset(cfg)
     plan = dataset.plan(0)
@@ -132,8 +112,8 @@ def test_report_numbers_reconcile_with_the_plan(demo_dir, packing):
 def test_report_shows_cost_and_the_imbalance_before_and_after_balancing(demo_dir):
     """``+packing=bfd packing.balance=compute``: the plan served is the balanced one, the costs add up, and the
     imbalance at simulated ranks (one pack per rank per step: only grouping packs into steps can help) falls."""
-    cfg = compose_config(RECIPE_NAME, overrides(demo_dir, "bfd", "packing.balance=compute", "train.micro_batch_size=1",
-                                                "+report.world_size=2", "+report.balance_ranks=3"))
+    cfg = composed(overrides(demo_dir, "bfd", "packing.balance=compute", "train.micro_batch_size=1",
+                             "+report.world_size=2", "+report.balance_ranks=3"))
     report = compute_pack_report(cfg)
     cost = report["cost"]
     assert cost["balance"]["configured"] == "compute" and cost["balance"]["none"]["world_size"] == 3
@@ -153,13 +133,13 @@ def test_tools_never_encode_a_sample(demo_dir, monkeypatch):
 
     monkeypatch.setattr(Qwen2VLSampleEncoder, "encode", refuse)
     monkeypatch.setattr(Qwen2VLSampleEncoder, "_load_image", refuse)
-    cfg = compose_config(RECIPE_NAME, overrides(demo_dir, "greedy"))
+    cfg = composed(overrides(demo_dir, "greedy"))
     assert compute_pack_report(cfg)["packs"] > 0
     assert compute_step_estimate(cfg)["total_optimizer_steps"] > 0
 
 
 def test_world_size_splits_packs_like_the_ranks_do(demo_dir):
-    cfg = compose_config(RECIPE_NAME, overrides(demo_dir, "greedy", "train.micro_batch_size=2", "+report.world_size=3"))
+    cfg = composed(overrides(demo_dir, "greedy", "train.micro_batch_size=2", "+report.world_size=3"))
     report = compute_pack_report(cfg)
     estimate = compute_step_estimate(cfg)
     ranks = [reference_dataset(cfg, rank=r, world_size=3)[0] for r in range(3)]
@@ -204,8 +184,8 @@ def test_report_config_defaults_and_errors():
 ])
 def test_estimate_equals_the_trainers_total_steps(demo_dir, tmp_path, packing, extra):
     args = overrides(demo_dir, packing, *extra)
-    estimate = compute_step_estimate(compose_config(RECIPE_NAME, args))
-    trainer = Trainer(compose_config(RECIPE_NAME, [*args, f"train.output_dir={tmp_path}"]), load_recipe(RECIPE_NAME))
+    estimate = compute_step_estimate(composed(args))
+    trainer = Trainer(composed([*args, f"train.output_dir={tmp_path}"]), load_recipe(RECIPE_NAME))
     assert estimate["total_optimizer_steps"] == trainer.total_steps
     assert estimate["total_optimizer_steps"] == sum(e["optimizer_steps"] for e in estimate["per_epoch"])
 
@@ -215,9 +195,9 @@ def test_estimate_and_report_equal_a_real_run(demo_dir, tmp_path):
     """One short real training: its step count and token accounting are the tools' numbers."""
     args = overrides(demo_dir, "greedy", "train.epochs=1", "train.micro_batch_size=2",
                      "train.gradient_accumulation_steps=3", "train.log_every=1000")
-    report = compute_pack_report(compose_config(RECIPE_NAME, args))
-    estimate = compute_step_estimate(compose_config(RECIPE_NAME, args))
-    trainer = Trainer(compose_config(RECIPE_NAME, [*args, f"train.output_dir={tmp_path}"]), load_recipe(RECIPE_NAME))
+    report = compute_pack_report(composed(args))
+    estimate = compute_step_estimate(composed(args))
+    trainer = Trainer(composed([*args, f"train.output_dir={tmp_path}"]), load_recipe(RECIPE_NAME))
     summary = trainer.run()
     assert summary["actual_steps"] == trainer.total_steps == estimate["total_optimizer_steps"]
     assert summary["actual_steps"] == report["estimated_optimizer_steps"]

@@ -74,10 +74,10 @@ from transformers.trainer_pt_utils import get_length_grouped_indices  # noqa: E4
 from mvp_engine.engine.config import (  # noqa: E402
     AUTO_ATTENTION,
     RunSpecs,
-    data_with_sources,
     resolve_attention,
     resolve_run_specs,
 )
+from mvp_engine.engine.demo import with_demo_data  # noqa: E402
 from mvp_engine.engine.loss import weighted_token_loss  # noqa: E402
 from mvp_engine.engine.participation import dummy_media_loss, freeze_parameters, has_media  # noqa: E402
 from mvp_engine.engine.recipe import Recipe  # noqa: E402
@@ -168,7 +168,8 @@ def run_config(args: argparse.Namespace, workdir: Path, length: int, strategy: s
     """The config of a training run at ``data.max_seq_len=length`` (with ``+packing=strategy``)."""
     overrides = [f"demo.num_samples={args.samples}", f"demo.out_dir={workdir / 'demo'}", f"data.seed={args.seed}",
                  f"train.seed={args.seed}", f"data.max_seq_len={length}", f"model.seed={args.seed}"]
-    return compose_config(args.recipe, overrides + ([] if strategy is None else [f"+packing={strategy}"]))
+    packing = [] if strategy is None else [f"+packing={strategy}"]
+    return with_demo_data(compose_config(args.recipe, overrides + packing))
 
 
 def run_specs(args: argparse.Namespace, recipe: Recipe, workdir: Path, length: int,
@@ -179,7 +180,7 @@ def run_specs(args: argparse.Namespace, recipe: Recipe, workdir: Path, length: i
 
 def encode_samples(specs: RunSpecs, recipe: Recipe, processor) -> list[MLLMSample]:
     """Every demo record encoded once by the recipe's encoder; all modes and lengths share them."""
-    data = data_with_sources(specs)
+    data = specs.data
     encoder = recipe.build_encoder(processor)
     return [encoder.encode(record) for source in data.sources
             for record in read_records(source, data.image_root, allow_leading_assistant=data.allow_leading_assistant)]

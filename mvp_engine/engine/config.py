@@ -12,7 +12,6 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import SchedulerType
 
 from mvp_engine.kit.mllm.data import MLLMDataSpec, MLLMPackingAssembler, MLLMPackingSpec, MLLMRecordError, source_kind
-from mvp_engine.kit.mllm.data.demo import write_demo_dataset
 from mvp_engine.packing import ATTENTION_BACKENDS, BACKENDS, SDPA_VARLEN
 
 from . import run_dir  # noqa: F401  (registers the ${run_stamp:...} resolver the configs use)
@@ -93,7 +92,8 @@ class TrainSpec:
 
 @dataclass
 class DemoSpec:
-    """The embedded demo data set, written to ``out_dir`` on first use when ``data.sources`` is empty."""
+    """The embedded demo data set (``mvp_engine.engine.demo``), written to ``out_dir`` by an entry point's
+    ``with_demo_data`` when ``data.sources`` is empty."""
 
     enabled: bool = True
     out_dir: str = ".cache/demo"
@@ -110,16 +110,6 @@ class RunSpecs:
     demo: DemoSpec
     train: TrainSpec
     attention: str
-
-
-def data_with_sources(specs: RunSpecs) -> MLLMDataSpec:
-    """``specs.data``, its sources filled with the embedded demo set (written on first use) when it names none:
-    what the trainer and every tool over the run's data read."""
-    data = specs.data
-    if not data.sources:
-        demo = specs.demo
-        data.sources = [str(write_demo_dataset(demo.out_dir, demo.num_samples, demo.seed, videos=demo.videos))]
-    return data
 
 
 def register_configs() -> None:

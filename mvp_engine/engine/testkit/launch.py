@@ -51,7 +51,7 @@ def start(recipe: str, run_dir: Path, overrides=(), nproc: int = 1) -> subproces
 
 def read_metrics(run_dir: Path) -> list[dict]:
     """``metrics.jsonl`` without the wall-clock columns, the only values a rerun may not reproduce."""
-    from ..trainer import WALL_CLOCK_METRICS
+    from ..step_metrics import WALL_CLOCK_METRICS
 
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     for line in lines:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
+from ..demo import with_demo_data
 from ..trainer import Trainer
 from .structure import compose_config, load_recipe, packing_overrides
 
@@ -16,7 +17,7 @@ def smoke_run(name: str, packing: str | None, output_dir: Path, overrides: tuple
         "train.micro_batch_size=2", "train.learning_rate=5e-3", "train.warmup_ratio=0.0",
         f"train.output_dir={output_dir}", f"demo.out_dir={output_dir.parent / 'demo'}", *overrides,
     ])
-    trainer = Trainer(cfg, load_recipe(name))
+    trainer = Trainer(with_demo_data(cfg), load_recipe(name))
     summary = trainer.run()
     plans = [trainer.dataset.plan(epoch) for epoch in range(trainer.specs.train.epochs)]
     summary["planned"] = {

@@ -15,6 +15,7 @@ import torch
 import transformers.models.qwen3_5.modeling_qwen3_5 as modeling
 
 import mvp_engine.engine.testing as kit
+from mvp_engine.engine.demo import with_demo_data
 from mvp_engine.engine.testkit.suites import EquivalenceSuite
 from mvp_engine.engine.trainer import Trainer
 from mvp_engine.packing import ensure_linear_attention_boundaries
@@ -56,7 +57,7 @@ def test_training_stops_before_its_first_step(tmp_path, monkeypatch):
     any optimizer step when the linear layers would ignore the boundaries."""
     cfg = kit.compose_config("qwen3_5", ["+packing=greedy", "demo.num_samples=8", "demo.videos=false",
                                          f"demo.out_dir={tmp_path / 'demo'}", f"train.output_dir={tmp_path / 'run'}"])
-    trainer = Trainer(cfg, kit.load_recipe("qwen3_5"))
+    trainer = Trainer(with_demo_data(cfg), kit.load_recipe("qwen3_5"))
     restore_transformers_functions(monkeypatch)
     with pytest.raises(ValueError, match="enable_linear_attention_packing"):
         trainer.run()

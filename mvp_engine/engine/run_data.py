@@ -1,0 +1,59 @@
+"""A run's dataset, built one way for the trainer, the reports, the estimates and the benches.
+
+Why one function: a report or a step estimate is only true if it plans the dataset the run trains on, with the
+same data spec, rank split, micro-batch shape and cost model; building it anywhere else drifts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig
+
+from mvp_engine.kit.mllm.data import CostProfile, MLLMDataKit, MLLMDataSpec, MLLMSampleEncoder
+
+from .config import ConfigError, RunSpecs, resolve_run_specs
+from .flops import planning_cost_profile
+from .recipe import Recipe
+
+
+def run_data_spec(specs: RunSpecs) -> MLLMDataSpec:
+    """``specs.data``, or one line saying what to do when it names no source."""
+    if not specs.data.sources:
+        raise ConfigError("data.sources is empty: name the records to train on (data.sources=[...]), or pass the "
+                          "config through mvp_engine.engine.demo.with_demo_data(cfg) for the demo set, as the "
+                          "recipe entry point and the tools do")
+    return specs.data
+
+
+def build_run_dataset(specs: RunSpecs, encoder: MLLMSampleEncoder, cost_profile: CostProfile | None,
+                      rank: int = 0, world_size: int = 1):
+    """The dataset ``rank`` of ``world_size`` trains on (``MLLMDataKit.build_dataset``); its bad-record report is
+    ``dataset.bad_records``."""
+    train = specs.train
+    return MLLMDataKit.build_dataset(run_data_spec(specs), encoder, rank=rank, world_size=world_size,
+                                     drop_last=train.drop_last, micro_batch_size=train.micro_batch_size,
+                                     gradient_accumulation_steps=train.gradient_accumulation_steps,
+                                     cost_profile=cost_profile)
+
+
+@dataclass
+class Planning:
+    """A run's validated specs and its dataset (rank 0), built without the model's weights."""
+
+    recipe: Recipe
+    specs: RunSpecs
+    dataset: Any  # MLLMPackedDataset | MLLMStreamingPackedDataset
+    world_size: int
+    cost_profile: CostProfile
+
+
+def planning_dataset(cfg: DictConfig, recipe: Recipe, world_size: int = 1) -> Planning:
+    """The run's dataset as ``Trainer`` builds it, rank 0 of ``world_size``, with the cost model read from the
+    model built on the meta device: what reports and estimates plan, from metadata alone."""
+    specs = resolve_run_specs(cfg, recipe.attention_backends)
+    encoder = recipe.build_encoder(recipe.build_processor(cfg.model))
+    profile = planning_cost_profile(recipe, cfg.model)
+    return Planning(recipe=recipe, specs=specs, dataset=build_run_dataset(specs, encoder, profile, 0, world_size),
+                    world_size=world_size, cost_profile=profile)

@@ -1,0 +1,100 @@
+"""One optimizer step, the one the trainer runs and ``tools/bench_train.py`` times: exact loss normalisation over
+every micro-batch on every rank, every parameter in every backward, clipping, the optimizer and the schedule."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import send_to_device
+from transformers import get_scheduler
+
+from .config import TrainSpec
+from .loss import token_weights, weighted_token_loss
+from .participation import dummy_media_loss, has_media
+
+
+def optimizer_and_schedule(model, train: TrainSpec, total_steps: int):
+    """AdamW over the trainable parameters and the configured schedule over ``total_steps`` optimizer steps."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=train.learning_rate, weight_decay=train.weight_decay)
+    scheduler = get_scheduler(train.lr_scheduler, optimizer,
+                              num_warmup_steps=math.ceil(train.warmup_ratio * total_steps),
+                              num_training_steps=max(1, total_steps))
+    return optimizer, scheduler
+
+
+@dataclass(frozen=True)
+class TrainStep:
+    """The step of one run: how its batches become model kwargs (``prepare``, ``attention``), the dummy media pass
+    of a micro-batch without media, and the ``train`` settings it reduces and clips with."""
+
+    accelerator: Accelerator
+    prepare: Callable[[dict, object, str], dict]
+    attention: str
+    dummy_media: dict
+    train: TrainSpec
+
+    def __call__(self, group: list[dict], model, optimizer,
+                 scheduler) -> tuple[float, float, tuple[float, float] | None]:
+        """One optimizer step over ``group``; the denominator covers every micro-batch on every rank. Returns the
+        step's loss, the gradient norm and, under ``train.time_barrier``, this rank's (compute, wait) seconds.
+
+        The scheduler is stepped here, once per optimizer step (it is not handed to ``accelerator.prepare``, whose
+        wrapper would step it once per process), so the schedule is the same on 1 rank and on N.
+
+        Under ``train.time_barrier`` the gradients are all-reduced after the last backward instead of during it (DDP
+        overlaps its all-reduce with backward, which hides a fast rank's wait inside its backward): this rank's
+        compute time (forward and backward of its micro-batches) and its wait at a barrier before the optimizer step
+        are returned; the update is the same (the mean of the ranks' gradients).
+        """
+        accelerator, reduction, timed = self.accelerator, self.train.loss_reduction, self.train.time_barrier
+        local = sum(token_weights(b["labels"], b["pack_segment_ids"], reduction).sum() for b in group)
+        total = accelerator.reduce(torch.as_tensor(local, device=accelerator.device, dtype=torch.float64),
+                                   reduction="sum")
+        denominator = total.clamp(min=1e-12)
+        step_loss = 0.0
+        compute_start = time.perf_counter()
+        for index, batch in enumerate(group):
+            batch = send_to_device(batch, accelerator.device)
+            sync = index == len(group) - 1 and not timed
+            context = accelerator.no_sync(model) if not sync else nullcontext()
+            with context:
+                outputs = model(**self.prepare(batch, model, self.attention))
+                part = weighted_token_loss(outputs.logits, batch["labels"], batch["pack_segment_ids"], reduction)
+                loss = part.weighted_sum / denominator * accelerator.num_processes
+                if not has_media(batch):
+                    loss = loss + dummy_media_loss(model, self.dummy_media)
+                accelerator.backward(loss)
+            step_loss += float(part.weighted_sum.detach()) / float(denominator)
+        timing = self._barrier_and_sync(model, time.perf_counter() - compute_start) if timed else None
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), self.train.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step_loss = float(accelerator.reduce(torch.tensor(step_loss, device=accelerator.device), reduction="sum"))
+        return step_loss, float(grad_norm), timing
+
+    def _barrier_and_sync(self, model, compute_seconds: float) -> tuple[float, float]:
+        """``train.time_barrier``: wait at an explicit barrier (timed), then average the gradients over the ranks
+        (what DDP's all-reduce does), one flat all-reduce."""
+        world_size = self.accelerator.num_processes
+        if world_size == 1:
+            return compute_seconds, 0.0
+        start = time.perf_counter()
+        torch.distributed.barrier()
+        waited = time.perf_counter() - start
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        torch.distributed.all_reduce(flat)
+        flat /= world_size
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+        return compute_seconds, waited
