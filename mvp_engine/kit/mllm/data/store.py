@@ -3,14 +3,17 @@
 Sources (``data.sources``, one file or folder each):
 
 * ``.jsonl`` / ``.json``: converted once into an Arrow file in the cache (``<cache>/records``), one row per record
-  holding its origin (``file:line``, as :func:`read_records` names it) and its raw JSON text. ``datasets``' own
-  JSON loader is not used for this: it keeps no line numbers and fails a whole file on one malformed line, while
-  a bad line here is one bad record, found when the record is measured. The Arrow file is keyed by the file's path,
-  size and modification time, so an edited file is converted again.
+  holding its origin (``file:line``, numbered by ``jsonl_lines`` as :func:`read_records` numbers it) and its raw
+  JSON text. ``datasets``' own JSON loader is not used for this: it keeps no line numbers and fails a whole file on
+  one malformed line, while a bad line here is one bad record, found when the record is measured. The Arrow file is
+  keyed by the file's path, size and modification time, so an edited file is converted again.
 * ``.parquet``: loaded with ``datasets.Dataset.from_parquet`` (its own fingerprinted Arrow cache); origin
   ``file#row`` (1-based).
-* a folder written by ``datasets``' ``save_to_disk``: loaded with ``load_from_disk`` (memory-mapped as it is);
-  origin ``folder#row``. A ``DatasetDict`` folder gives its ``train`` split, or its only split.
+* a folder written by ``datasets``' ``save_to_disk``: loaded with ``Dataset.load_from_disk`` (memory-mapped as it
+  is); origin ``folder#row``. A ``DatasetDict`` folder gives its ``train`` split, or its only split.
+
+:func:`source_kind` says which of these a path is (or why it is none), before anything is read: the run's config
+check asks it, so a path training could not open stops the run at once, as one line naming it.
 
 Rows of parquet and saved data sets are records in either accepted format (LLaVA ``conversations`` or OpenAI
 ``messages``), with image paths as strings. Relative image paths resolve against ``data.image_root`` or, without
