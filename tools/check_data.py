@@ -1,44 +1,41 @@
 """Check a data set before a long run: every bad record, in one pass, with its fault class and where it is.
 
 Why: a run skips bad records (``data.on_bad_record=skip``) but stops when more than ``data.max_bad_fraction`` of
-them are bad, and a corrupt image body only shows when it is decoded, mid-epoch. This reads every source through
-the recipe's own reader and encoder, exactly as training does (same overrides, same primary config; ``--config-name``
-picks another recipe), measures every record (text and image headers), and with ``--decode`` also fully decodes
-every image through the recipe's image processor, in parallel processes. It prints a table of fault classes with
-counts and example origins, writes ``bad_records.jsonl`` (the same report a run writes) and exits 1 when anything
-is bad.
+them are bad, and a corrupt image body only shows when it is decoded, mid-epoch. This reads every source kind a run
+reads (JSON, JSONL, parquet, ``save_to_disk`` folders) through the DataKit's own record store and measure pass,
+with the recipe's encoder (same overrides, same primary config; ``--config-name`` picks another recipe), and with
+``--decode`` also encodes every measured record, images and videos decoded, in parallel processes
+(``find_bad_records`` of the DataKit does the work; this is its command line). It prints a table of fault classes
+with counts and example origins (``file:line``, ``file#row``, ``folder#row``), writes ``bad_records.jsonl`` (the same
+report a run writes) and exits 1 when anything is bad. Without ``data.sources`` it checks the demo set (``demo.*``).
 
     python tools/check_data.py data.sources=[/data/llava.jsonl] data.image_root=/data/images
-    python tools/check_data.py --decode data.sources=[/data/mix.jsonl] --config-name llava
+    python tools/check_data.py --decode data.sources=[/data/mix.parquet,/data/saved_set] --config-name llava
     python tools/check_data.py --decode +check.workers=8 +check.out_dir=/tmp/check
 
-Settings live under ``check.*`` (``CheckSpec``): ``workers`` (decode processes; null: the CPU count) and
-``out_dir`` (null: the Hydra run directory). ``check_records(cfg, decode, workers)`` returns the report for tests.
+Settings live under ``check.*`` (``CheckSpec``): ``decode`` (``--decode`` sets it), ``workers`` (measuring and
+decoding processes; null: ``data.measure_workers`` and the CPU count) and ``out_dir`` (null: the Hydra run
+directory). ``check_records(cfg, recipe, decode, workers)`` returns the report for tests.
 """
 
 from __future__ import annotations
 
-import multiprocessing
-import os
 import sys
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # run as ``python tools/check_data.py`` without an installed package
-    sys.path.insert(0, str(REPO_ROOT))
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
 
-import hydra  # noqa: E402
-from hydra.core.hydra_config import HydraConfig  # noqa: E402
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
+from mvp_engine.engine.config import ConfigError, resolve_run_specs
+from mvp_engine.engine.demo import with_demo_data
+from mvp_engine.engine.run_data import run_data_spec
+from mvp_engine.engine.testing import load_recipe
+from mvp_engine.kit.mllm.data import BadRecord, BadRecordReport, MLLMRecordError, find_bad_records
 
-from mvp_engine.engine.config import ConfigError, data_with_sources, resolve_run_specs  # noqa: E402
-from mvp_engine.engine.testing import load_recipe  # noqa: E402
-from mvp_engine.kit.mllm.data import BadRecord, BadRecordReport, MLLMDataKit, MLLMRecordError  # noqa: E402
-
-DECODE_FLAG = "--decode"
+DECODE_FLAG = "--decode"  # a plain flag on the command line, read as ``check.decode=true``
 EXAMPLES = 3
 
 
@@ -46,6 +43,7 @@ EXAMPLES = 3
 class CheckSpec:
     """The ``check.*`` keys."""
 
+    decode: bool = False
     workers: int | None = None
     out_dir: str | None = None
 
@@ -65,42 +63,12 @@ def check_spec(cfg: DictConfig) -> CheckSpec:
         raise ConfigError(f"check: {str(err).splitlines()[0]}") from None
 
 
-_ENCODER = None  # the recipe's encoder, inherited by forked decode workers
-
-
-def _decode(record) -> dict | None:
-    try:
-        _ENCODER.encode(record)
-    except MLLMRecordError as err:
-        return BadRecord.from_error(err, "decode").to_dict()
-    return None
-
-
 def check_records(cfg: DictConfig, recipe: str, decode: bool = False, workers: int | None = None) -> BadRecordReport:
     """Read, measure and (``decode``) encode every record as a run would; every fault goes into the report."""
-    global _ENCODER
     loaded = load_recipe(recipe)
-    specs = resolve_run_specs(cfg, loaded.attention_backends)
-    data = data_with_sources(specs)
-    report = BadRecordReport("skip", max_fraction=1.0)
-    records = MLLMDataKit.read_records(data, report)
-    _ENCODER = loaded.build_encoder(loaded.build_processor(cfg.model))
-    measured = []
-    for record in tqdm(records, desc="measure", mininterval=2):
-        try:
-            _ENCODER.measure(record)
-        except MLLMRecordError as err:
-            report.add_error(err, "measure")
-            continue
-        measured.append(record)
-    if decode and measured:
-        # fork: the workers inherit the encoder instead of pickling it
-        with multiprocessing.get_context("fork").Pool(workers or os.cpu_count()) as pool:
-            for bad in tqdm(pool.imap(_decode, measured, chunksize=8), total=len(measured), desc="decode",
-                            mininterval=2):
-                if bad:
-                    report.add(BadRecord(**bad))
-    return report
+    data = run_data_spec(resolve_run_specs(cfg, loaded.attention_backends))
+    encoder = loaded.build_encoder(loaded.build_processor(cfg.model))
+    return find_bad_records(data, encoder, decode=decode, workers=workers)
 
 
 def format_table(report: BadRecordReport, decoded: bool) -> str:
@@ -130,26 +98,32 @@ def recipe_name(cfg: DictConfig) -> str:
     return str(cfg.model.name)
 
 
-DECODE = DECODE_FLAG in sys.argv
-if DECODE:  # a plain flag, not a Hydra override
-    sys.argv.remove(DECODE_FLAG)
-
-
 @hydra.main(config_path="../conf", config_name="qwen2_vl", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     try:
+        cfg = with_demo_data(cfg)  # no data.sources: the demo set, written here by the entry point
         spec = check_spec(cfg)
-        report = check_records(cfg, recipe_name(cfg), decode=DECODE, workers=spec.workers)
+        report = check_records(cfg, recipe_name(cfg), decode=spec.decode, workers=spec.workers)
     except ConfigError as err:
         raise SystemExit(f"config error: {err}") from None
+    except MLLMRecordError as err:  # a source that cannot be opened (a bad record is reported, never raised)
+        raise SystemExit(f"data error: {err}") from None
     out_dir = resolve_out_dir(spec)
     out_dir.mkdir(parents=True, exist_ok=True)
     report.write(out_dir / "bad_records.jsonl")
-    print(format_table(report, DECODE))
+    print(format_table(report, spec.decode))
     print(f"wrote {out_dir / 'bad_records.jsonl'}")
     if report.count:
         raise SystemExit(1)
 
 
+def hydra_args(argv: list[str]) -> list[str]:
+    """The command line with ``--decode`` as the Hydra override it stands for, last (so a ``+check.decode=...``
+    given too is not added twice)."""
+    rest = [arg for arg in argv if arg != DECODE_FLAG]
+    return rest + ["++check.decode=true"] if DECODE_FLAG in argv else rest
+
+
 if __name__ == "__main__":
+    sys.argv = hydra_args(sys.argv)  # Hydra reads sys.argv itself; done here, not on import
     main()
