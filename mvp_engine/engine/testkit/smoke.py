@@ -10,14 +10,20 @@ from ..trainer import Trainer
 from .structure import compose_config, load_recipe, packing_overrides
 
 
-def smoke_run(name: str, packing: str | None, output_dir: Path, overrides: tuple[str, ...] = ()) -> dict:
-    """A short real training run on the demo data; returns the summary plus the planned totals to check."""
+def smoke_trainer(name: str, packing: str | None, output_dir: Path, overrides: tuple[str, ...] = ()) -> Trainer:
+    """The trainer of a short real training run on the demo data, built and not yet run (a test that needs the
+    trained model in memory runs it itself)."""
     cfg = compose_config(name, [
         *packing_overrides(packing), "demo.num_samples=48", "data.max_seq_len=512", "train.epochs=2",
         "train.micro_batch_size=2", "train.learning_rate=5e-3", "train.warmup_ratio=0.0",
         f"train.output_dir={output_dir}", f"demo.out_dir={output_dir.parent / 'demo'}", *overrides,
     ])
-    trainer = Trainer(with_demo_data(cfg), load_recipe(name))
+    return Trainer(with_demo_data(cfg), load_recipe(name))
+
+
+def smoke_run(name: str, packing: str | None, output_dir: Path, overrides: tuple[str, ...] = ()) -> dict:
+    """A short real training run on the demo data; returns the summary plus the planned totals to check."""
+    trainer = smoke_trainer(name, packing, output_dir, overrides)
     summary = trainer.run()
     plans = [trainer.dataset.plan(epoch) for epoch in range(trainer.specs.train.epochs)]
     summary["planned"] = {
