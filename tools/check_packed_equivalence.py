@@ -22,15 +22,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from mvp_engine.engine.config import ATTENTION_BACKENDS, ConfigError, check_attention  # noqa: E402
-from mvp_engine.engine.testing import (  # noqa: E402
-    equivalence_case,
-    load_recipe,
-    run_equivalence,
-    without_linear_boundaries,
-)
+from mvp_engine.engine.config import ATTENTION_BACKENDS, ConfigError, check_attention
+from mvp_engine.engine.testing import equivalence_case, load_recipe, run_equivalence, without_linear_boundaries
 
 
 def main(argv: list[str] | None = None, prepare_packed: Callable | None = None) -> int:
