@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from mvp_engine.engine.testing import hard_commands
 from tools import validate_recipe
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -56,7 +57,7 @@ def test_a_recipe_with_cross_sample_attention_fails_only_model_preparation(capsy
 
 
 def test_hard_checks_are_the_seed_commands():
-    commands = {name: command[1:] for name, command in validate_recipe.hard_commands("qwen2_vl")}
+    commands = {name: command[1:] for name, command in hard_commands("qwen2_vl")}
     assert commands == {
         "compileall": ["-m", "compileall", "-q", "mvp_engine/kit/mllm/data", "recipes/qwen2_vl"],
         "structure-tests": ["-m", "pytest", "recipes/qwen2_vl/tests/test_structure.py", "-q"],

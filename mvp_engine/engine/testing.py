@@ -16,6 +16,8 @@ This module is the kit's public entry point; the checks live in ``mvp_engine.eng
   media parameter with an exact zero.
 - ``launch``: real ``python -m`` / torchrun launches of a recipe, their metrics, summaries and final weights.
 - ``records``: demo-like records with real image files (and tiny clips written with PyAV).
+- ``validate``: every soft check of ``tools/validate_recipe.py`` on a recipe's real run (``data_checks``,
+  ``model_checks``), one ``PASS|FAIL name: evidence`` line each, and the seed's hard checks.
 - ``suites``: ready-made pytest classes over all of the above (``from mvp_engine.engine.testkit.suites import
   SmokeSuite``); kept out of this module so importing the kit does not import pytest.
 """
@@ -41,8 +43,10 @@ from .testkit.equivalence import (
     run_equivalence,
     without_linear_boundaries,
 )
+from .testkit.evidence import CheckResult, first_line
 from .testkit.launch import LAUNCH_ENV, final_weights, launch, max_weight_difference, read_metrics, read_summary, start
 from .testkit.participation import check_dummy_media_pass, check_unreachable_parameters_are_unreachable
+from .testkit.recipe_run import validation_config
 from .testkit.records import (
     assistant,
     demo_like_records,
@@ -72,6 +76,7 @@ from .testkit.structure import (
     packing_overrides,
     runnable_backends,
 )
+from .testkit.validate import hard_commands, validate_recipe
 
 __all__ = [
     "CONF_DIR",
@@ -79,6 +84,7 @@ __all__ = [
     "LEAK_FLOOR",
     "PACKINGS",
     "TOL",
+    "CheckResult",
     "EquivalenceCase",
     "EquivalenceReport",
     "assistant",
@@ -101,7 +107,9 @@ __all__ = [
     "demo_like_records",
     "equivalence_case",
     "final_weights",
+    "first_line",
     "forward_backends",
+    "hard_commands",
     "image",
     "launch",
     "load_recipe",
@@ -116,6 +124,8 @@ __all__ = [
     "system",
     "text",
     "user",
+    "validate_recipe",
+    "validation_config",
     "varied_records",
     "varied_video_records",
     "video",
