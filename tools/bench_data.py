@@ -1,10 +1,11 @@
 """Data at scale: how long a start takes and how much memory it keeps, from 100 k to 1 M records, against targets.
 
 Why: a run must start in seconds on millions of records and keep memory flat in the data set size (issue 10). This
-measures exactly what a training start does with the DataKit: ``MLLMDataKit.build_dataset(spec, encoder)`` with the
-``qwen2_vl`` recipe's real encoder (``build_processor`` on ``conf/model/qwen2_vl_tiny.yaml``, the data and packing
-specs composed as ``python -m recipes.qwen2_vl.train +packing=greedy data.max_seq_len=4096`` composes them), then
-forces measuring and planning (``dataset.estimate_total_steps(epochs=1, micro_batch_size=1)`` and ``len(dataset)``).
+measures exactly what a training start does with the DataKit: the engine's ``build_run_dataset`` (what the trainer
+calls: ``MLLMDataKit.build_dataset``) with the ``qwen2_vl`` recipe's real encoder (``build_processor`` on
+``conf/model/qwen2_vl_tiny.yaml``, the run specs composed as ``python -m recipes.qwen2_vl.train +packing=greedy
+data.max_seq_len=4096`` composes them), then forces measuring and planning
+(``dataset.estimate_total_steps(epochs=1, micro_batch_size=1)`` and ``len(dataset)``).
 
 Data: seeded synthetic LLaVA-format JSONL sets written into ``--workdir`` (default: a temporary folder, removed at
 the end) and reused across phases and, with a given ``--workdir``, across runs. Every record is
@@ -58,7 +59,7 @@ its two cores), most of it measuring 1.5 M records cold: the recipe's encoder co
 this mix (the chat template rendered per assistant turn, the text tokenized with offsets), so the 1 M cold start
 alone takes 25-45 minutes on two processes. ``--skip-1m`` uses the parallel size (200 k, already measured)
 as the largest size instead. Progress goes to stderr, the report to stdout, each phase's own output to
-``<workdir>/logs``. ``main(argv)`` returns what it printed as a dict (used by ``tests/test_bench_data.py``).
+``<workdir>/logs``. ``main(argv)`` returns what it printed as a dict.
 """
 
 from __future__ import annotations
@@ -81,11 +82,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-TOOL = Path(__file__).resolve()
-REPO_ROOT = TOOL.parents[1]
-if str(REPO_ROOT) not in sys.path:  # run as ``python tools/bench_data.py`` without an installed package
-    sys.path.insert(0, str(REPO_ROOT))
-
+TOOL = Path(__file__).resolve()  # each phase runs it again, in a fresh process
 RECIPE = "qwen2_vl"
 DEFAULT_SIZES = (100_000, 1_000_000)
 DEFAULT_PARALLEL_SIZE = 200_000
@@ -229,7 +226,7 @@ def cache_files(cache: Path) -> dict[str, int]:
 
 
 def compose_run(spec: dict, packing: str):
-    """The data spec and the recipe as ``python -m recipes.qwen2_vl.train`` builds them for this phase."""
+    """The run specs and the recipe as ``python -m recipes.qwen2_vl.train`` builds them for this phase."""
     from mvp_engine.engine.config import resolve_run_specs
     from mvp_engine.engine.testing import compose_config, load_recipe
 
@@ -240,7 +237,7 @@ def compose_run(spec: dict, packing: str):
     if packing == "bfd":  # a whole-set plan: the buffer covers the set (conf/packing/bfd.yaml's covers 1 M)
         overrides.append(f"packing.buffer_size={max(spec['size'], 1_000_000)}")
     cfg = compose_config(RECIPE, overrides)
-    return resolve_run_specs(cfg, recipe.attention_backends).data, recipe, cfg.model
+    return resolve_run_specs(cfg, recipe.attention_backends), recipe, cfg.model
 
 
 def cpu_seconds() -> float:
@@ -249,12 +246,13 @@ def cpu_seconds() -> float:
                for usage in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)))
 
 
-def start_dataset(kit, data, encoder) -> tuple[object, dict]:
-    """A start: build the dataset, measure, plan; the wall time of each part, and the CPU time and load average
-    that tell a slow machine (other work on its cores) from a slow start."""
+def start_dataset(build_run_dataset, specs, encoder) -> tuple[object, dict]:
+    """A start: build the run's dataset (``build_run_dataset``, as the trainer does), measure, plan; the wall time of
+    each part, and the CPU time and load average that tell a slow machine (other work on its cores) from a slow
+    start."""
     cpu = cpu_seconds()
     started = time.perf_counter()
-    dataset = kit.build_dataset(data, encoder)
+    dataset = build_run_dataset(specs, encoder, cost_profile=None)
     opened = time.perf_counter()
     _ = dataset.metas
     measured = time.perf_counter()
@@ -318,19 +316,19 @@ def phase_main(spec_path: str) -> None:
     began = time.perf_counter()
     import datasets  # noqa: F401 - the store imports it lazily; an import, not part of opening the store
 
+    from mvp_engine.engine.run_data import build_run_dataset
     from mvp_engine.engine.testing import load_recipe
-    from mvp_engine.kit.mllm.data import MLLMDataKit
 
     load_recipe(RECIPE)
     imported = time.perf_counter()
-    data, recipe, model_cfg = compose_run(spec, "greedy")
+    specs, recipe, model_cfg = compose_run(spec, "greedy")
     encoder = recipe.build_encoder(recipe.build_processor(model_cfg))
     baseline_anon = anon_bytes()
     encoder_s = time.perf_counter() - imported
     cache = Path(spec["cache"])
     before = cache_files(cache)
     started_at = time.time()
-    dataset, result = start_dataset(MLLMDataKit, data, encoder)
+    dataset, result = start_dataset(build_run_dataset, specs, encoder)
     built_anon = anon_bytes()
     after = cache_files(cache)
     written = sorted(name for name, mtime in after.items() if before.get(name) != mtime)
@@ -342,8 +340,8 @@ def phase_main(spec_path: str) -> None:
                   cache_written=written, cache_hit=bool(before) and not any(n.startswith("measure") for n in written))
     if spec["kind"] == "items":
         result["greedy"] = greedy_items(dataset, spec["items"], spec["repeats"])
-        bfd_data, _, _ = compose_run(spec, "bfd")
-        bfd_dataset, bfd_start = start_dataset(MLLMDataKit, bfd_data, encoder)
+        bfd_specs, _, _ = compose_run(spec, "bfd")
+        bfd_dataset, bfd_start = start_dataset(build_run_dataset, bfd_specs, encoder)
         result["bfd"] = {**bfd_start, **bfd_items(bfd_dataset, spec["items"], spec["repeats"])}
     Path(spec["result"]).write_text(json.dumps(result))
 
@@ -401,7 +399,7 @@ def run_phase(phase: Phase, source: Path, workdir: Path, args: argparse.Namespac
     env = {**os.environ, "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
     with log_path.open("w") as log:
         code = subprocess.run([sys.executable, str(TOOL), "--phase", str(spec_path)], stdout=log,
-                              stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT).returncode
+                              stderr=subprocess.STDOUT, env=env).returncode
     seconds = time.perf_counter() - started
     if code == 0 and Path(spec["result"]).exists():
         result = json.loads(Path(spec["result"]).read_text())
@@ -646,7 +644,7 @@ def header_lines(args: argparse.Namespace, sets: dict[int, dict]) -> list[str]:
 
 
 def report(args: argparse.Namespace, sets: dict[int, dict], phases: list[dict], seconds: float) -> dict:
-    """Print the phases, the per-item lines, the targets, the checks and the extrapolation; return it all."""
+    """The phases, the per-item lines, the targets, the checks and the extrapolation: every number and its lines."""
     small, large = min(args.sizes), max(args.sizes)
     lines = header_lines(args, sets) + [PHASE_HEADER] + [format_phase(p) for p in phases]
     lines.append("per-item dataset overhead (next pack's record indices + reading its records, no encode):")
@@ -662,8 +660,6 @@ def report(args: argparse.Namespace, sets: dict[int, dict], phases: list[dict], 
     lines += [f"  {c['line']}" for c in checks]
     lines.append(extrapolation_line(extra, small, large))
     lines.append(f"bench time {seconds:.1f} s")
-    for line in lines:
-        print(line, flush=True)
     return {"recipe": RECIPE, "args": vars(args), "sets": {str(k): v for k, v in sets.items()}, "phases": phases,
             "targets": targets, "checks": checks, "extrapolation": extra,
             "ok": all(t["ok"] for t in targets + checks), "seconds": seconds, "lines": lines}
@@ -720,6 +716,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     else:
         args.workdir.mkdir(parents=True, exist_ok=True)
         result = run(args)
+    print("\n".join(result["lines"]), flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
