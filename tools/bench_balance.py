@@ -44,11 +44,11 @@ from mvp_engine.kit.mllm.data import (
     MLLMPackingAssembler,
     MLLMPackingSpec,
     StepLayout,
+    balance_rng,
     balanced_order,
     imbalance_summary,
     pack_costs,
 )
-from mvp_engine.kit.mllm.data.balance import balance_rng
 
 TARGET_MEAN, TARGET_P95 = 1.05, 1.15
 RANKS = 8

@@ -10,7 +10,7 @@ from .assembler import (
     SingleSampleAssembler,
 )
 from .bad_records import BadRecord, BadRecordReport, TooManyBadRecords
-from .balance import StepLayout, balanced_order, imbalance_summary
+from .balance import StepLayout, balance_rng, balanced_order, imbalance_summary
 from .chat import ChatTemplateEncoder
 from .check import decode_faults, find_bad_records
 from .collator import MLLMCollator
@@ -63,6 +63,7 @@ __all__ = [
     "TokenAccounting",
     "VideoInfo",
     "WorkUnits",
+    "balance_rng",
     "balanced_order",
     "decode_faults",
     "estimate_total_steps",
