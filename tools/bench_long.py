@@ -71,7 +71,7 @@ failed or missing measurement is a MISS:
 ``--backends`` defaults to every backend the recipe offers (its ``Recipe.attention_backends``); those
 this machine cannot train with (``check_attention``: flash needs CUDA and flash_attn) are skipped with the reason
 printed. Progress goes to stderr, the table and the targets to stdout. ``main(argv)`` returns what it printed as a
-dict (used by ``tests/test_bench_long.py``).
+dict; the numbers come from functions returning data (``run_all``, ``targets_for``), ``report`` only formats them.
 """
 
 from __future__ import annotations
