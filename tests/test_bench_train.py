@@ -1,209 +1,144 @@
-"""tools/bench_train.py on a tiny setting: every mode trains the same samples, batches follow their rules, and the
-printed ratios and verdicts follow from the printed numbers.
+"""tools/bench_train.py: what it computes, cheaply. Its packed modes plan exactly as a training run does, every mode
+trains the same admitted samples once, the padded baselines follow their batching rules, the step it times is the
+trainer's own (``TrainStep``), and the ratios and verdicts follow from the measured numbers.
 
 Wall-clock values are never asserted (they depend on the machine and its load); only relations that hold whatever
-the timings are. One L below 2048 and one at 2048, so both sets of targets are printed.
+the timings are. The printed tables are formatting over the returned dict and are not parsed here.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
-import re
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from transformers.trainer_pt_utils import get_length_grouped_indices
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "bench_train.py"
+from mvp_engine.engine.plan_report import micro_batches, rank_rows
+from mvp_engine.engine.run_data import build_run_dataset
+from mvp_engine.engine.testing import load_recipe
+from mvp_engine.engine.train_step import TrainStep
+from tools import bench_train as bench
+
 SAMPLES = 40
 MICRO_BATCH = 4
 LENGTHS = (512, 2048)
 SEED = 0
-BASELINES = ["random", "group_by_length", "token_budget", "token_budget_varlen"]
-
-HEADER = re.compile(r"^L=(?P<length>\d+): (?P<admitted>\d+) samples .*token budget (?P<rows>\d+) x \d+ = "
-                    r"(?P<budget>\d+) per micro-batch$")
-ROW = re.compile(r"^  (?P<label>\([abc]'?\)|packed) (?P<mode>\S+)\s+(?P<attention>\S+)\s+(?P<call>prepare_\w+)\s+"
-                 r"(?P<steps>\d+)\s+(?P<rows>[\d.]+)\s+(?P<padding>[\d.]+)%\s+(?P<seconds>[\d.]+)\s+(?P<tps>[\d.]+)$")
-RATIO = re.compile(r"^  (?P<mode>\w+/\w+)\s+(?P<values>[\d.]+x(?:\s+[\d.]+x)*)$")
-TARGET = re.compile(r"^target L=(?P<length>\d+): (?P<mode>\S+) >= (?P<limit>[\d.]+)x \((?P<label>[abc]'?)\) "
-                    r"(?P<base>\w+): (?P<value>[\d.]+)x -> (?P<verdict>OK|MISS)$")
 
 
-def load_tool():
-    spec = importlib.util.spec_from_file_location("bench_train", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is created
-    spec.loader.exec_module(module)
-    return module
+def args_for(*extra: str):
+    return bench.parse_args(["--samples", str(SAMPLES), "--micro-batch", str(MICRO_BATCH), "--seed", str(SEED),
+                             "--lengths", *map(str, LENGTHS), *extra])
 
 
 @pytest.fixture(scope="module")
-def bench():
-    """One tiny run of the tool: the module, its returned dict and its printed lines."""
-    tool = load_tool()
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        result = tool.main(["--samples", str(SAMPLES), "--micro-batch", str(MICRO_BATCH), "--repeats", "1",
-                            "--seed", str(SEED), "--lengths", *map(str, LENGTHS)])
-    return tool, result, out.getvalue().splitlines()
+def planned(tmp_path_factory):
+    """The bench's modes at every L (no model is built: batching and planning only), with what they came from."""
+    workdir = tmp_path_factory.mktemp("bench_train")
+    args = args_for()
+    recipe = load_recipe(args.recipe)
+    cfg = bench.run_config(args, workdir, max(LENGTHS))
+    specs = bench.resolve_run_specs(cfg, recipe.attention_backends)
+    processor = recipe.build_processor(cfg.model)
+    data = bench.read_data(specs, recipe, processor)
+    per_length = {length: bench.build_modes(args, recipe, workdir, length, data, "sdpa_varlen") for length in LENGTHS}
+    return args, recipe, workdir, processor, data, per_length
 
 
-def printed_tables(lines: list[str]) -> dict[int, dict]:
-    """Per L: its header, its mode rows and its ratio rows, as printed."""
-    tables: dict[int, dict] = {}
-    current = None
-    for line in lines:
-        if match := HEADER.match(line):
-            current = tables[int(match["length"])] = {"header": match.groupdict(), "rows": {}, "ratios": {}}
-        elif current is not None and (match := ROW.match(line)):
-            current["rows"][match["mode"]] = match.groupdict()
-        elif current is not None and (match := RATIO.match(line)):
-            current["ratios"][match["mode"]] = [float(v) for v in match["values"].replace("x", " ").split()]
-    return tables
+def test_every_mode_trains_the_admitted_samples_once(planned):
+    *_, data, per_length = planned
+    for length, (modes, admitted, _) in per_length.items():
+        assert admitted == sorted(i for i, n in enumerate(data.lengths) if n <= length)
+        bench.check_same_samples(modes, admitted)  # raises otherwise
+        names = [mode.name for mode in modes]
+        assert names == [*bench.BASELINES, "greedy/sdpa_varlen", "greedy/sdpa", "bfd/sdpa_varlen", "bfd/sdpa"]
+    assert len(per_length[512][1]) < len(per_length[2048][1]) <= SAMPLES  # the demo has samples over 512 tokens
 
 
-def trained(mode: dict) -> list[int]:
-    return sorted(i for batch in mode["batches"] for row in batch for i in row)
+def test_packed_modes_are_the_plan_of_a_training_run(planned):
+    """The packs and micro-batches of ``+packing=<strategy>`` at L with micro-batches of R: the dataset the trainer
+    builds over the demo sources with the recipe's own encoder (not the bench's), planned as it plans."""
+    args, recipe, workdir, processor, _, per_length = planned
+    encoder = recipe.build_encoder(processor)
+    for length, (modes, _, rows) in per_length.items():
+        for strategy in bench.STRATEGIES:
+            specs = bench.run_specs(args, recipe, workdir, length, strategy, rows)
+            training = build_run_dataset(specs, encoder, None)
+            expected = micro_batches(rank_rows(training, 0, 0), rows, drop_last=False)
+            for mode in modes:
+                if mode.name.startswith(f"{strategy}/"):
+                    assert mode.batches == expected, mode.name
+                    assert all(len(batch) <= rows for batch in mode.batches)
 
 
-def by_mode(measured: dict) -> dict[str, dict]:
-    return {r["mode"]: r for r in measured["results"]}
+def test_padded_baselines_follow_their_batching_rules(planned):
+    *_, data, per_length = planned
+    for length, (modes, admitted, rows) in per_length.items():
+        by_name = {mode.name: mode for mode in modes}
+        lengths = [data.lengths[i] for i in admitted]
+        flat = {name: [row[0] for batch in by_name[name].batches for row in batch] for name in bench.BASELINES}
+        order = torch.randperm(len(admitted), generator=torch.Generator().manual_seed(SEED)).tolist()
+        assert flat[bench.RANDOM] == [admitted[j] for j in order]
+        grouped = get_length_grouped_indices(lengths, MICRO_BATCH, mega_batch_mult=50,
+                                             generator=torch.Generator().manual_seed(SEED))
+        assert flat[bench.GROUPED] == [admitted[j] for j in grouped]
+        random = [[admitted.index(row[0]) for row in batch] for batch in by_name[bench.RANDOM].batches]
+        assert rows == bench.budget_rows(random, lengths, length)
+        assert by_name[bench.BUDGET_VARLEN].batches == by_name[bench.BUDGET].batches
+        assert all(len(row) == 1 for name in bench.BASELINES for batch in by_name[name].batches for row in batch)
 
 
-def test_prints_every_mode_at_every_length(bench):
-    _, result, lines = bench
-    tables = printed_tables(lines)
-    assert sorted(tables) == list(LENGTHS) == [m["length"] for m in result["lengths"]]
-    backend = result["default_backend"]
-    packed = [f"{strategy}/{b}" for strategy in ("greedy", "bfd") for b in dict.fromkeys([backend, "sdpa_varlen",
-                                                                                          "sdpa"])]
-    for measured in result["lengths"]:
-        table = tables[measured["length"]]
-        assert list(table["rows"]) == BASELINES + packed == [r["mode"] for r in measured["results"]]
-        assert list(table["ratios"]) == packed
-        assert [r["label"] for r in table["rows"].values()] == ["(a)", "(b)", "(c)", "(c')"] + ["packed"] * 4
+def test_token_budget_batches_respect_the_budget_and_are_length_sorted():
+    lengths = [int(n) for n in torch.randint(8, 600, (200,), generator=torch.Generator().manual_seed(1))]
+    budget = 1024
+    batches = bench.token_budget_batches(lengths, budget, SEED)
+    assert sorted(i for batch in batches for i in batch) == list(range(len(lengths)))
+    assert all(len(batch) * max(lengths[i] for i in batch) <= budget for batch in batches)
+    laid_out = sorted(batches, key=lambda batch: -lengths[batch[0]])  # longest batch first: lengths never increase
+    flat = [lengths[i] for batch in laid_out for i in batch]
+    assert flat == sorted(flat, reverse=True)
+    for batch, following in zip(laid_out, laid_out[1:]):
+        assert (len(batch) + 1) * lengths[batch[0]] > budget  # each batch as full as allowed
+        assert lengths[following[0]] <= lengths[batch[-1]]
 
 
-def test_every_mode_trains_the_same_samples_once(bench):
-    _, result, _ = bench
-    for measured in result["lengths"]:
-        admitted = measured["admitted"]
-        assert admitted + measured["dropped"] == SAMPLES
-        assert all(n <= measured["length"] for n in measured["sample_lengths"])
-        for r in measured["results"]:
-            assert trained(r) == list(range(admitted)), r["mode"]
-            assert r["samples"] == admitted
-        assert len({r["effective_tokens"] for r in measured["results"]}) == 1
-        assert measured["results"][0]["effective_tokens"] == sum(measured["sample_lengths"])
+def test_ratios_and_targets_follow_from_the_rates():
+    results = [{"mode": name, "tokens_per_s": rate} for name, rate in
+               [(bench.RANDOM, 100.0), (bench.GROUPED, 120.0), (bench.BUDGET, 150.0), (bench.BUDGET_VARLEN, 160.0),
+                ("bfd/sdpa_varlen", 170.0)]]
+    ratios = bench.ratios(results)
+    assert list(ratios) == ["bfd/sdpa_varlen"]
+    assert ratios["bfd/sdpa_varlen"] == pytest.approx({bench.RANDOM: 1.7, bench.GROUPED: 170 / 120,
+                                                       bench.BUDGET: 170 / 150, bench.BUDGET_VARLEN: 170 / 160})
+    for length, expected in ((512, {bench.BUDGET: True, bench.BUDGET_VARLEN: True}),
+                             (2048, {bench.BUDGET: True, bench.GROUPED: False, bench.BUDGET_VARLEN: True})):
+        found = bench.targets({"length": length, "ratios": ratios}, "bfd/sdpa_varlen")
+        assert {t["baseline"]: t["ok"] for t in found} == expected
+        assert all(t["value"] == ratios["bfd/sdpa_varlen"][t["baseline"]] for t in found)
 
 
-def test_padded_baselines_follow_their_batching_rules(bench):
-    _, result, _ = bench
-    for measured in result["lengths"]:
-        modes, lengths = by_mode(measured), measured["sample_lengths"]
-        random = [[row[0] for row in batch] for batch in modes["random"]["batches"]]
-        order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(SEED)).tolist()
-        assert [i for batch in random for i in batch] == order
-        grouped = [[row[0] for row in batch] for batch in modes["group_by_length"]["batches"]]
-        expected = get_length_grouped_indices(lengths, MICRO_BATCH, mega_batch_mult=50,
-                                              generator=torch.Generator().manual_seed(SEED))
-        assert [i for batch in grouped for i in batch] == expected
-        for batches in (random, grouped):
-            assert all(len(batch) == MICRO_BATCH for batch in batches[:-1])
-            assert 0 < len(batches[-1]) <= MICRO_BATCH
-        assert all(len(row) == 1 for r in measured["results"][:4] for batch in r["batches"] for row in batch)
+def test_a_tiny_run_times_the_trainers_step_on_the_same_data_in_every_mode(monkeypatch):
+    calls = []
+    step = TrainStep.__call__
 
+    def counted(self, group, model, optimizer, scheduler):
+        calls.append(len(group))
+        return step(self, group, model, optimizer, scheduler)
 
-def test_token_budget_batches_respect_the_budget_and_are_length_sorted(bench):
-    _, result, lines = bench
-    tables = printed_tables(lines)
-    for measured in result["lengths"]:
-        modes, lengths, budget = by_mode(measured), measured["sample_lengths"], measured["budget"]
-        slots = [len(batch) * max(lengths[row[0]] for row in batch) for batch in modes["random"]["batches"]]
-        assert measured["rows"] == max(1, round(sum(slots) / len(slots) / measured["length"]))
-        assert budget == measured["rows"] * measured["length"]
-        assert int(tables[measured["length"]]["header"]["budget"]) == budget
-        batches = [[row[0] for row in batch] for batch in modes["token_budget"]["batches"]]
-        assert modes["token_budget_varlen"]["batches"] == modes["token_budget"]["batches"]
-        for batch in batches:
-            assert len(batch) * max(lengths[i] for i in batch) <= budget
-        # length-sorted: laid out longest batch first, the lengths never increase; each batch is as full as allowed
-        laid_out = sorted(batches, key=lambda batch: -lengths[batch[0]])
-        flat = [lengths[i] for batch in laid_out for i in batch]
-        assert flat == sorted(flat, reverse=True)
-        for batch, following in zip(laid_out, laid_out[1:]):
-            assert (len(batch) + 1) * lengths[batch[0]] > budget
-            assert lengths[following[0]] <= lengths[batch[-1]]
-
-
-def test_packed_modes_fill_at_most_the_budget(bench):
-    _, result, _ = bench
-    for measured in result["lengths"]:
-        lengths = measured["sample_lengths"]
-        for r in measured["results"][4:]:
-            assert r["call"] == "prepare_packed" and r["attention"] == r["mode"].split("/")[1]
-            assert all(len(batch) <= measured["rows"] for batch in r["batches"])
-            assert all(sum(lengths[i] for i in row) <= measured["length"] for batch in r["batches"] for row in batch)
-            assert r["padding_ratio"] <= by_mode(measured)["random"]["padding_ratio"]
-
-
-def test_rates_and_padding_follow_from_the_counts(bench):
-    _, result, lines = bench
-    tables = printed_tables(lines)
-    for measured in result["lengths"]:
-        rows = tables[measured["length"]]["rows"]
-        for r in measured["results"]:
-            assert r["tokens_per_s"] == pytest.approx(r["effective_tokens"] / r["seconds"], rel=1e-12)
-            assert r["padding_ratio"] == pytest.approx(1 - r["effective_tokens"] / r["slots"], rel=1e-12)
-            assert r["steps"] == len(r["batches"]) == int(rows[r["mode"]]["steps"])
-            assert float(rows[r["mode"]]["tps"]) == pytest.approx(r["tokens_per_s"], abs=0.051)
-            assert float(rows[r["mode"]]["padding"]) == pytest.approx(100 * r["padding_ratio"], abs=0.051)
-
-
-def test_printed_ratios_are_computed_from_printed_rates(bench):
-    _, result, lines = bench
-    tables = printed_tables(lines)
-    for measured in result["lengths"]:
-        table, modes = tables[measured["length"]], by_mode(measured)
-        for mode, printed in table["ratios"].items():
-            tps = float(table["rows"][mode]["tps"])
-            for base, value in zip(BASELINES, printed):
-                # rates are printed with 1 decimal, ratios with 3: allow for both roundings
-                assert value == pytest.approx(tps / float(table["rows"][base]["tps"]), abs=2e-3)
-                exact = modes[mode]["tokens_per_s"] / modes[base]["tokens_per_s"]
-                assert measured["ratios"][mode][base] == pytest.approx(exact, rel=1e-12)
-
-
-def test_summary_repeats_the_tables(bench):
-    _, result, lines = bench
-    start = lines.index("summary, effective tokens/s:")
-    names = lines[start + 1].split()[1:]
-    assert names == [r["mode"] for r in result["lengths"][0]["results"]]
-    for offset, measured in enumerate(result["lengths"]):
-        length, *rates = lines[start + 2 + offset].split()
-        assert int(length) == measured["length"]
-        assert [float(v) for v in rates] == pytest.approx([r["tokens_per_s"] for r in measured["results"]], abs=0.051)
-
-
-def test_targets_and_verdicts_agree_with_the_values(bench):
-    _, result, lines = bench
-    printed = [m.groupdict() for m in map(TARGET.match, lines) if m]
-    expected = [(length, base, limit) for length in LENGTHS
-                for base, limit in ((("token_budget", 1.10), ("group_by_length", 1.5), ("token_budget_varlen", 1.0))
-                                    if length >= 2048 else (("token_budget", 1.0), ("token_budget_varlen", 1.0)))]
-    assert [(int(p["length"]), p["base"], float(p["limit"])) for p in printed] == expected
-    assert len(result["targets"]) == len(printed)
+    monkeypatch.setattr(TrainStep, "__call__", counted)
+    with contextlib.redirect_stdout(io.StringIO()):
+        result = bench.main(["--samples", "12", "--lengths", "256", "--repeats", "1", "--micro-batch", "4",
+                             "--packed-backends", "sdpa_varlen", "--seed", str(SEED)])
+    (measured,) = result["lengths"]
+    results = measured["results"]
+    assert len(calls) == sum(1 + r["steps"] for r in results) and set(calls) == {1}  # warm-up + epoch, one each
+    assert len({(r["samples"], r["effective_tokens"]) for r in results}) == 1
+    assert results[0]["samples"] == measured["admitted"]
+    assert results[0]["effective_tokens"] == sum(measured["record_lengths"][i] for i in measured["admitted_records"])
+    for r in results:
+        assert r["tokens_per_s"] == pytest.approx(r["effective_tokens"] / r["seconds"], rel=1e-12)
+        assert r["padding_ratio"] == pytest.approx(1 - r["effective_tokens"] / r["slots"], rel=1e-12)
+        assert r["steps"] == len(r["batches"])
     assert result["target_mode"] == f"bfd/{result['default_backend']}"
-    for line, target in zip(printed, result["targets"]):
-        measured = next(m for m in result["lengths"] if m["length"] == int(line["length"]))
-        assert line["mode"] == target["mode"] == result["target_mode"]
-        assert target["value"] == measured["ratios"][target["mode"]][target["baseline"]]
-        assert float(line["value"]) == pytest.approx(target["value"], abs=5e-4)
-        assert line["verdict"] == ("OK" if target["value"] >= target["limit"] else "MISS")
-        assert target["ok"] == (line["verdict"] == "OK")
-    assert result["ok"] == all(p["verdict"] == "OK" for p in printed)
+    assert result["ok"] == all(t["ok"] for t in result["targets"])

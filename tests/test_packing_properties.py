@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -13,8 +14,8 @@ from mvp_engine.kit.mllm.data import (
     MLLMCollator,
     MLLMDataKit,
     MLLMDataSpec,
-    MLLMPackingAssembler,
     MLLMPackingSpec,
+    MLLMRecordError,
     TokenAccounting,
     micro_batches_per_rank,
 )
@@ -44,6 +45,19 @@ def samples(draw, max_len=300, max_count=60):
     return lengths, media
 
 
+def build(records_spec, spec, shuffle=True, **kwargs):
+    """The dataset the DataKit builds over fake records of these lengths and media counts: the planning path
+    training, the reports and the benches share (``dataset.plan(epoch)``)."""
+    lengths, media = records_spec
+    records = [fake_record(i, n, m) for i, (n, m) in enumerate(zip(lengths, media))]
+    data_spec = MLLMDataSpec(packing=spec, max_seq_len=spec.max_seq_len if spec else 300, seed=1, shuffle=shuffle)
+    return MLLMDataKit.build_dataset(data_spec, FakeEncoder(), records=records, **kwargs)
+
+
+def planned(spec, lengths, media=None, shuffle=True):
+    return build((lengths, media or [0] * len(lengths)), spec, shuffle=shuffle).plan(0)
+
+
 def check_plan(spec, lengths, media, plan):
     seen = Counter(i for pack in plan.packs for i in pack)
     assert all(count == 1 for count in seen.values()), "a sample landed in two packs"
@@ -59,7 +73,8 @@ def check_plan(spec, lengths, media, plan):
     for i, reason in plan.dropped.items():
         too_long = lengths[i] > spec.max_seq_len
         too_many_media = spec.max_media_per_pack is not None and media[i] > spec.max_media_per_pack
-        assert too_long or too_many_media, f"sample {i} dropped ({reason}) without cause"
+        nothing_supervised = reason == "no_supervised_tokens" and lengths[i] <= 1  # FakeEncoder supervises from 1
+        assert too_long or too_many_media or nothing_supervised, f"sample {i} dropped ({reason}) without cause"
     for i in plan.truncated:
         assert lengths[i] > spec.max_seq_len and plan.lengths[i] == spec.max_seq_len
 
@@ -68,11 +83,9 @@ def check_plan(spec, lengths, media, plan):
 @given(spec=specs, data=samples())
 def test_plan_places_every_sample_once_within_caps(spec, data):
     lengths, media = data
-    assembler = MLLMPackingAssembler.from_spec(spec)
-    media_ends = [4 * m for m in media]
-    plan = assembler.plan_with_report(lengths, media, media_ends)
+    plan = build(data, spec).plan(0)
     check_plan(spec, lengths, media, plan)
-    assert assembler.plan(lengths, media, media_ends) == plan.packs, "planning is not deterministic"
+    assert list(build(data, spec).plan(0).packs) == list(plan.packs), "planning is not deterministic"
 
 
 @FAST
@@ -80,51 +93,35 @@ def test_plan_places_every_sample_once_within_caps(spec, data):
 def test_bfd_fast_path_matches_item_by_item_quality(data, seed):
     """Run-wise BFD and item-by-item BFD (forced by a cap that never binds) need the same number of packs."""
     lengths, _ = data
-    runs = MLLMPackingAssembler.from_spec(MLLMPackingSpec(max_seq_len=128, strategy="bfd", buffer_size=10**6,
-                                                          seed=seed))
-    items = MLLMPackingAssembler.from_spec(MLLMPackingSpec(max_seq_len=128, strategy="bfd", buffer_size=10**6,
-                                                           seed=seed, max_samples_per_pack=10**6))
-    assert len(runs.plan(lengths)) == len(items.plan(lengths))
+    runs = MLLMPackingSpec(max_seq_len=128, strategy="bfd", buffer_size=10**6, seed=seed)
+    items = MLLMPackingSpec(max_seq_len=128, strategy="bfd", buffer_size=10**6, seed=seed, max_samples_per_pack=10**6)
+    assert len(planned(runs, lengths).packs) == len(planned(items, lengths).packs)
 
 
 def test_bfd_whole_set_reaches_lower_bound_on_divisible_items():
     lengths = [48, 16, 32, 32, 64, 40, 24] * 50
-    plan = MLLMPackingAssembler.from_spec(MLLMPackingSpec(max_seq_len=64, strategy="bfd", buffer_size=10**6)).plan(
-        lengths)
-    assert len(plan) == sum(lengths) // 64
+    plan = planned(MLLMPackingSpec(max_seq_len=64, strategy="bfd", buffer_size=10**6), lengths)
+    assert len(plan.packs) == sum(lengths) // 64
 
 
 def test_greedy_emits_fullest_pack_when_stuck():
     spec = MLLMPackingSpec(max_seq_len=10, strategy="greedy", max_open_packs=2, buffer_size=1)
-    packs = MLLMPackingAssembler.from_spec(spec).plan([6, 7, 5, 9])
+    packs = list(planned(spec, [6, 7, 5, 9], shuffle=False).packs)
     # 6 -> A; 7 -> B; 5: nothing fits, B (rem 3) is fullest and leaves; 5 -> C; 9: A (rem 4) is fullest -> out
     assert packs == [[1], [0], [2], [3]]
 
 
 def test_overlong_error_and_too_many_media():
-    spec = MLLMPackingSpec(max_seq_len=10, overlong="error")
-    try:
-        MLLMPackingAssembler.from_spec(spec).plan([3, 11])
-    except ValueError as err:
-        assert "sample #1 has 11 tokens > packing.max_seq_len=10" in str(err)
-    else:
-        raise AssertionError("overlong=error did not raise")
-    plan = MLLMPackingAssembler.from_spec(MLLMPackingSpec(max_seq_len=10, max_media_per_pack=1)).plan_with_report(
-        [3, 4], [2, 1])
-    assert plan.packs == [[1]] and plan.drop_counts == {"too_many_media": 1}
+    with pytest.raises(MLLMRecordError, match=r"^fake.jsonl:2: record 'r1' has 11 tokens > max_seq_len=10"):
+        planned(MLLMPackingSpec(max_seq_len=10, overlong="error"), [3, 11])
+    plan = planned(MLLMPackingSpec(max_seq_len=10, max_media_per_pack=1), [3, 4], [2, 1])
+    assert list(plan.packs) == [[1]] and plan.drop_counts == {"too_many_media": 1}
 
 
 def test_truncate_never_cuts_media():
-    spec = MLLMPackingSpec(max_seq_len=10, overlong="truncate")
-    plan = MLLMPackingAssembler.from_spec(spec).plan_with_report([12, 12], [1, 1], media_ends=[4, 11])
-    assert plan.truncated == [0] and plan.dropped == {1: "overlong_media_not_truncatable"}
-
-
-def build(records_spec, spec, **kwargs):
-    lengths, media = records_spec
-    records = [fake_record(i, n, m) for i, (n, m) in enumerate(zip(lengths, media))]
-    data_spec = MLLMDataSpec(packing=spec, max_seq_len=spec.max_seq_len if spec else 300, seed=1)
-    return MLLMDataKit.build_dataset(data_spec, FakeEncoder(), records=records, **kwargs)
+    """Media placeholders end at token 4 in the first record and 12 in the second (FakeEncoder: 4 per item)."""
+    plan = planned(MLLMPackingSpec(max_seq_len=10, overlong="truncate"), [12, 12], [1, 3])
+    assert plan.truncated == {0} and plan.dropped == {1: "overlong_media_not_truncatable"}
 
 
 def iterate(dataset):

@@ -18,25 +18,30 @@ optimizer settings, one epoch each, at every ``--lengths`` L (``data.max_seq_len
 - (c') ``token_budget_varlen``: (c)'s batches through the recipe's ``prepare_packed`` on sdpa_varlen: each row one
   segment and its padding a segment of its own, so attention does no mask work on padding. Packed modes against
   (c') measure what packing gains with the kernel held equal.
-- ``<strategy>/<backend>``: the DataKit's plan (``MLLMPackingAssembler`` on the strategy's ``conf/packing`` config,
-  greedy and bfd) in micro-batches of R packs, through ``prepare_packed`` on each of ``--packed-backends``.
+- ``<strategy>/<backend>``: the plan a training run with ``+packing=<strategy>`` (greedy and bfd) and micro-batches of
+  R packs makes: the dataset ``mvp_engine.engine.run_data.build_run_dataset`` builds, planned by ``dataset.plan(0)``
+  (admission, the epoch's shuffled record order, the strategy), each rank's packs cut into micro-batches as the
+  trainer's DataLoader cuts them; through ``prepare_packed`` on each of ``--packed-backends``.
 
 Token budget per micro-batch: R x L tokens, R = round(mean slots of (a)'s micro-batches / L), at least 1, so (a),
 (c), (c') and the packed modes see about the same number of token slots per forward; (b) keeps (a)'s batch size in
 samples, as a group_by_length user does. Every mode trains with gradient accumulation 1.
 
-What is timed, per micro-batch, as the trainer's step does it: the recipe's prepare hook + forward + the token loss
-(``train.loss_reduction``) + the zero-weighted dummy media pass on a micro-batch without images + backward +
-gradient clipping + AdamW step. Encoding, planning and collation happen outside the timer (a real run does them in
-DataLoader workers), the same work in every mode. Effective tokens are the non-padding tokens.
+What is timed, per micro-batch: the trainer's own step (``mvp_engine.engine.train_step.TrainStep``, accumulation 1,
+one process): the loss denominator, the recipe's prepare hook + forward + the loss (``train.loss_reduction``) + the
+zero-weighted dummy media pass on a micro-batch without images + backward + gradient clipping + AdamW and scheduler
+step. Encoding, planning and collation (``dataset.encode_pack`` + ``MLLMCollator``, as training builds a batch)
+happen outside the timer (a real run does them in DataLoader workers), the same work in every mode. Effective
+tokens are the non-padding tokens.
 
 Fairness, and why each choice:
 
-- Same samples: the recipe's encoder runs once; at each L the unpacked run's admission (``data.overlong=drop``)
-  leaves out samples longer than L, and every mode trains each remaining sample exactly once; the tool stops when
-  the modes' sample sets or effective token counts differ.
+- Same samples: the recipe's encoder runs once per record (every dataset below measures and encodes from that);
+  at each L the unpacked run's plan (``data.overlong=drop``) leaves out samples longer than L, and every mode
+  trains each remaining sample exactly once; the tool stops when the modes' sample sets or effective token counts
+  differ.
 - Same init: one model per attention backend from the recipe's seeded ``build_model``; every epoch first loads the
-  same initial state dict and starts a fresh AdamW with the config's ``train`` settings.
+  same initial state dict and starts a fresh AdamW and schedule with the config's ``train`` settings.
 - Noise: at each L one untimed micro-batch of every mode pays one-off costs, then the modes run interleaved for
   ``--repeats`` rounds and each keeps its fastest epoch (the one least disturbed by other processes). ``--threads``
   (default 1) fixes torch's intra-op threads: with two OpenMP threads on two cores shared with other processes,
@@ -62,34 +67,22 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # run as ``python tools/bench_train.py`` without an installed package
-    sys.path.insert(0, str(REPO_ROOT))
+import numpy as np
+import torch
+from omegaconf import DictConfig
+from transformers.trainer_pt_utils import get_length_grouped_indices
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
-from transformers.trainer_pt_utils import get_length_grouped_indices  # noqa: E402
-
-from mvp_engine.engine.config import (  # noqa: E402
-    AUTO_ATTENTION,
-    RunSpecs,
-    resolve_attention,
-    resolve_run_specs,
-)
-from mvp_engine.engine.demo import with_demo_data  # noqa: E402
-from mvp_engine.engine.loss import weighted_token_loss  # noqa: E402
-from mvp_engine.engine.participation import dummy_media_loss, freeze_parameters, has_media  # noqa: E402
-from mvp_engine.engine.recipe import Recipe  # noqa: E402
-from mvp_engine.engine.testing import compose_config, load_recipe  # noqa: E402
-from mvp_engine.kit.mllm.data import (  # noqa: E402
-    MLLMCollator,
-    MLLMPack,
-    MLLMPackingAssembler,
-    MLLMSample,
-    read_records,
-)
-from mvp_engine.packing import SDPA_VARLEN  # noqa: E402
+from mvp_engine.engine.config import AUTO_ATTENTION, RunSpecs, resolve_attention, resolve_run_specs
+from mvp_engine.engine.demo import with_demo_data
+from mvp_engine.engine.launch import build_accelerator
+from mvp_engine.engine.participation import freeze_parameters
+from mvp_engine.engine.plan_report import micro_batches, rank_rows
+from mvp_engine.engine.recipe import Recipe
+from mvp_engine.engine.run_data import build_run_dataset
+from mvp_engine.engine.testing import compose_config, load_recipe
+from mvp_engine.engine.train_step import TrainStep, optimizer_and_schedule
+from mvp_engine.kit.mllm.data import MLLMCollator, MLLMDataKit, MLLMRecord, MLLMSample, SampleMeta
+from mvp_engine.packing import SDPA_VARLEN
 
 DEFAULT_LENGTHS = (1024, 2048, 4096)
 PADDED_ATTENTION = "sdpa"  # what a padded transformers run uses on CPU
@@ -110,12 +103,14 @@ TARGETS_SHORT = ((BUDGET, 1.0), (BUDGET_VARLEN, 1.0))
 
 @dataclass
 class Mode:
-    """One way of batching the same samples: micro-batches of rows of sample indices, and how they are run."""
+    """One way of batching the same samples: micro-batches of rows of record indices, the dataset that encodes a
+    row (the unpacked run's for the padded baselines, the strategy's for packed modes), and how they are run."""
 
     name: str
     attention: str
     packed_call: bool  # prepare_packed (segments from pack_segment_ids) or prepare_padded (a 2-D padding mask)
     batches: list[list[list[int]]]
+    dataset: object = field(repr=False)
 
     @property
     def label(self) -> str:
@@ -124,10 +119,6 @@ class Mode:
 
 def chunks(items: list, size: int) -> list[list]:
     return [items[i:i + size] for i in range(0, len(items), size)]
-
-
-def one_per_row(batches: list[list[int]]) -> list[list[list[int]]]:
-    return [[[i] for i in batch] for batch in batches]
 
 
 def random_batches(count: int, batch_size: int, seed: int) -> list[list[int]]:
@@ -161,57 +152,87 @@ def budget_rows(random: list[list[int]], lengths: list[int], length: int) -> int
     return max(1, round(sum(slots) / len(slots) / length))
 
 
+def one_per_row(batches: list[list[int]], records: list[int]) -> list[list[list[int]]]:
+    """Batches of positions in ``records`` as micro-batches of one-record rows."""
+    return [[[records[j]] for j in batch] for batch in batches]
+
+
 # ------------------------------------------------------------------------------------------------ config and data
 
 
-def run_config(args: argparse.Namespace, workdir: Path, length: int, strategy: str | None = None) -> DictConfig:
-    """The config of a training run at ``data.max_seq_len=length`` (with ``+packing=strategy``)."""
+class EncodedOnce:
+    """The recipe's encoder run once per record: every dataset of the bench measures and encodes from its samples
+    (``measure`` is the sample's own ``meta``, which the encoder contract makes equal to its ``measure``)."""
+
+    def __init__(self, records: list[MLLMRecord], encoder):
+        self.samples = {record.origin: encoder.encode(record) for record in records}
+
+    def measure(self, record: MLLMRecord) -> SampleMeta:
+        return self.samples[record.origin].meta
+
+    def encode(self, record: MLLMRecord) -> MLLMSample:
+        return self.samples[record.origin]
+
+
+@dataclass
+class BenchData:
+    """The demo records, read once, their encoder and each record's encoded length."""
+
+    records: list[MLLMRecord]
+    encoder: EncodedOnce
+    lengths: list[int]
+
+
+def run_config(args: argparse.Namespace, workdir: Path, length: int, strategy: str | None = None,
+               rows: int | None = None) -> DictConfig:
+    """The config of a training run at ``data.max_seq_len=length`` (with ``+packing=strategy`` and micro-batches
+    of ``rows``), its sources filled with the demo set."""
     overrides = [f"demo.num_samples={args.samples}", f"demo.out_dir={workdir / 'demo'}", f"data.seed={args.seed}",
                  f"train.seed={args.seed}", f"data.max_seq_len={length}", f"model.seed={args.seed}"]
-    packing = [] if strategy is None else [f"+packing={strategy}"]
-    return with_demo_data(compose_config(args.recipe, overrides + packing))
+    overrides += [] if strategy is None else [f"+packing={strategy}"]
+    overrides += [] if rows is None else [f"train.micro_batch_size={rows}", "train.gradient_accumulation_steps=1"]
+    return with_demo_data(compose_config(args.recipe, overrides))
 
 
-def run_specs(args: argparse.Namespace, recipe: Recipe, workdir: Path, length: int,
-              strategy: str | None = None) -> RunSpecs:
+def run_specs(args: argparse.Namespace, recipe: Recipe, workdir: Path, length: int, strategy: str | None = None,
+              rows: int | None = None) -> RunSpecs:
     """That run's validated specs: its data admission and packing spec, its train settings."""
-    return resolve_run_specs(run_config(args, workdir, length, strategy), recipe.attention_backends)
+    return resolve_run_specs(run_config(args, workdir, length, strategy, rows), recipe.attention_backends)
 
 
-def encode_samples(specs: RunSpecs, recipe: Recipe, processor) -> list[MLLMSample]:
-    """Every demo record encoded once by the recipe's encoder; all modes and lengths share them."""
-    data = specs.data
-    encoder = recipe.build_encoder(processor)
-    return [encoder.encode(record) for source in data.sources
-            for record in read_records(source, data.image_root, allow_leading_assistant=data.allow_leading_assistant)]
+def read_data(specs: RunSpecs, recipe: Recipe, processor) -> BenchData:
+    """Every demo record, read as the DataKit reads it and encoded once by the recipe's encoder."""
+    records = MLLMDataKit.read_records(specs.data)
+    encoder = EncodedOnce(records, recipe.build_encoder(processor))
+    return BenchData(records, encoder, [encoder.encode(record).length for record in records])
 
 
-def plan(spec, samples: list[MLLMSample]) -> tuple[list[list[int]], dict[int, str]]:
-    """The DataKit's plan of ``samples`` under ``spec`` (lengths and media counts only) and its drops."""
-    report = MLLMPackingAssembler.from_spec(spec).plan_with_report([s.length for s in samples],
-                                                                   [s.num_media for s in samples])
-    return [[int(i) for i in pack] for pack in report.packs], report.dropped
+def run_dataset(specs: RunSpecs, data: BenchData):
+    """The dataset the run of ``specs`` trains on (one process), over the bench's records."""
+    return build_run_dataset(specs, data.encoder, None, records=data.records)
 
 
-def build_modes(args, recipe: Recipe, workdir: Path, length: int, samples: list[MLLMSample],
-                default_backend: str) -> tuple[list[Mode], int]:
-    """Every mode's micro-batches at L = ``length`` over the same admitted samples, and the packed rows R."""
-    lengths = [s.length for s in samples]
-    random = random_batches(len(samples), args.micro_batch, args.seed)
+def build_modes(args, recipe: Recipe, workdir: Path, length: int, data: BenchData,
+                default_backend: str) -> tuple[list[Mode], list[int], int]:
+    """Every mode's micro-batches at L = ``length``, the records the unpacked run admits, and the packed rows R."""
+    unpacked = run_dataset(run_specs(args, recipe, workdir, length), data)
+    admitted = sorted(i for pack in unpacked.plan(0).packs for i in pack)
+    lengths = [data.lengths[i] for i in admitted]
+    random = random_batches(len(admitted), args.micro_batch, args.seed)
     rows = budget_rows(random, lengths, length)
-    budget = token_budget_batches(lengths, rows * length, args.seed)
-    modes = [Mode(RANDOM, PADDED_ATTENTION, False, one_per_row(random)),
+    budget = one_per_row(token_budget_batches(lengths, rows * length, args.seed), admitted)
+    modes = [Mode(RANDOM, PADDED_ATTENTION, False, one_per_row(random, admitted), unpacked),
              Mode(GROUPED, PADDED_ATTENTION, False,
-                  one_per_row(group_by_length_batches(lengths, args.micro_batch, args.seed))),
-             Mode(BUDGET, PADDED_ATTENTION, False, one_per_row(budget)),
-             Mode(BUDGET_VARLEN, SDPA_VARLEN, True, one_per_row(budget))]
+                  one_per_row(group_by_length_batches(lengths, args.micro_batch, args.seed), admitted), unpacked),
+             Mode(BUDGET, PADDED_ATTENTION, False, budget, unpacked),
+             Mode(BUDGET_VARLEN, SDPA_VARLEN, True, budget, unpacked)]
     for strategy in STRATEGIES:
-        packs, dropped = plan(run_specs(args, recipe, workdir, length, strategy).data.packing, samples)
-        if dropped:
-            raise SystemExit(f"{strategy} at L={length} dropped admitted samples: {dropped}")
-        modes += [Mode(f"{strategy}/{backend}", backend, True, chunks(packs, rows))
+        specs = run_specs(args, recipe, workdir, length, strategy, rows)
+        dataset = run_dataset(specs, data)
+        batches = micro_batches(rank_rows(dataset, 0, 0), specs.train.micro_batch_size, specs.train.drop_last)
+        modes += [Mode(f"{strategy}/{backend}", backend, True, batches, dataset)
                   for backend in packed_backends(args, default_backend)]
-    return modes, rows
+    return modes, admitted, rows
 
 
 def packed_backends(args: argparse.Namespace, default_backend: str) -> list[str]:
@@ -219,12 +240,12 @@ def packed_backends(args: argparse.Namespace, default_backend: str) -> list[str]
     return list(dict.fromkeys([default_backend, *args.packed_backends]))
 
 
-def check_same_samples(modes: list[Mode], count: int) -> None:
+def check_same_samples(modes: list[Mode], admitted: list[int]) -> None:
     """Every mode must train each admitted sample exactly once, or the comparison means nothing."""
     for mode in modes:
         trained = sorted(i for batch in mode.batches for row in batch for i in row)
-        if trained != list(range(count)):
-            raise SystemExit(f"{mode.name} does not train each of the {count} samples exactly once")
+        if trained != admitted:
+            raise SystemExit(f"{mode.name} does not train each of the {len(admitted)} admitted samples exactly once")
 
 
 # ------------------------------------------------------------------------------------------------------ training
@@ -237,13 +258,15 @@ class Harness:
     recipe: Recipe
     specs: RunSpecs
     collator: MLLMCollator
+    accelerator: object
     models: dict = field(default_factory=dict)
     initial: dict = field(default_factory=dict)
     dummy_media: dict = field(default_factory=dict)
 
 
 def build_harness(recipe: Recipe, specs: RunSpecs, processor, cfg_model, backends: list[str]) -> Harness:
-    harness = Harness(recipe, specs, MLLMCollator(recipe.pad_token_id(processor), specs.train.pad_to_multiple_of))
+    harness = Harness(recipe, specs, MLLMCollator(recipe.pad_token_id(processor), specs.train.pad_to_multiple_of),
+                      build_accelerator(specs.train.mixed_precision))
     for backend in backends:
         model = recipe.build_model(cfg_model, backend)
         freeze_parameters(model, cfg_model.get("freeze") or [], recipe.unreachable_parameters(model))
@@ -254,38 +277,28 @@ def build_harness(recipe: Recipe, specs: RunSpecs, processor, cfg_model, backend
     return harness
 
 
-def collate(harness: Harness, samples: list[MLLMSample], rows: list[list[int]]) -> dict:
-    """One micro-batch as training builds it: a ``MLLMPack`` per row (one sample when unpacked), collated."""
-    return harness.collator([MLLMPack([samples[i] for i in row]).to_model_inputs() for row in rows])
+def collate(harness: Harness, mode: Mode, rows: list[list[int]]) -> dict:
+    """One micro-batch as training builds it: the mode's dataset encodes each row's pack, the collator pads them;
+    the batch-only ``bad_records`` leave before the step, as the trainer's step boundary takes them."""
+    batch = harness.collator([mode.dataset.encode_pack(row) for row in rows])
+    batch.pop("bad_records")
+    return batch
 
 
-def train_step(harness: Harness, model, optimizer, mode: Mode, batch: dict) -> None:
-    """The trainer's step at accumulation 1 on one rank: prepare, forward, loss, backward, clip, AdamW."""
-    recipe, train = harness.recipe, harness.specs.train
-    prepare = recipe.prepare_packed if mode.packed_call else recipe.prepare_padded
-    logits = model(**prepare(batch, model, mode.attention)).logits
-    part = weighted_token_loss(logits, batch["labels"], batch["pack_segment_ids"], train.loss_reduction)
-    loss = part.weighted_sum / part.weight_total.clamp(min=1e-12)
-    if not has_media(batch):
-        loss = loss + dummy_media_loss(model, harness.dummy_media)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], train.max_grad_norm)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
-def run_epoch(harness: Harness, mode: Mode, samples: list[MLLMSample], batches: list[list[list[int]]]) -> dict:
-    """Train ``batches`` from the initial weights; step seconds and the token accounting of what was trained."""
+def run_epoch(harness: Harness, mode: Mode, batches: list[list[list[int]]]) -> dict:
+    """Train ``batches`` from the initial weights with the trainer's step; step seconds and the token accounting
+    of what was trained."""
     model = harness.models[mode.attention]
     model.load_state_dict(harness.initial)
-    train = harness.specs.train
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=train.learning_rate,
-                                  weight_decay=train.weight_decay)
+    recipe, train = harness.recipe, harness.specs.train
+    optimizer, scheduler = optimizer_and_schedule(model, train, len(batches))
+    step = TrainStep(harness.accelerator, recipe.prepare_packed if mode.packed_call else recipe.prepare_padded,
+                     mode.attention, harness.dummy_media, train)
     seconds, effective, slots, trained = 0.0, 0, 0, 0
     for rows in batches:
-        batch = collate(harness, samples, rows)
+        batch = collate(harness, mode, rows)
         start = time.perf_counter()
-        train_step(harness, model, optimizer, mode, batch)
+        step([batch], model, optimizer, scheduler)
         seconds += time.perf_counter() - start
         effective += int((batch["pack_segment_ids"] >= 0).sum())
         slots += batch["pack_segment_ids"].numel()
@@ -293,29 +306,27 @@ def run_epoch(harness: Harness, mode: Mode, samples: list[MLLMSample], batches: 
     return {"seconds": seconds, "effective_tokens": effective, "slots": slots, "samples": trained}
 
 
-def measure_length(args, harness: Harness, workdir: Path, length: int, samples: list[MLLMSample],
+def measure_length(args, harness: Harness, workdir: Path, length: int, data: BenchData,
                    default_backend: str) -> dict:
     """All modes at one L: admission, batches, one untimed micro-batch each, then the interleaved timed rounds."""
-    packs, dropped = plan(run_specs(args, harness.recipe, workdir, length).data.effective_packing(), samples)
-    admitted = [samples[i] for (i,) in packs]
-    modes, rows = build_modes(args, harness.recipe, workdir, length, admitted, default_backend)
-    check_same_samples(modes, len(admitted))
+    modes, admitted, rows = build_modes(args, harness.recipe, workdir, length, data, default_backend)
+    check_same_samples(modes, admitted)
     for mode in modes:
-        run_epoch(harness, mode, admitted, mode.batches[:1])
+        run_epoch(harness, mode, mode.batches[:1])
     best: dict[str, dict] = {}
     for round_index in range(args.repeats):
         for mode in modes:
             progress(f"L={length} round {round_index + 1}/{args.repeats}: {mode.name} ...")
-            result = run_epoch(harness, mode, admitted, mode.batches)
+            result = run_epoch(harness, mode, mode.batches)
             if mode.name not in best or result["seconds"] < best[mode.name]["seconds"]:
                 best[mode.name] = result
     results = [mode_result(mode, best[mode.name]) for mode in modes]
     if len({(r["samples"], r["effective_tokens"]) for r in results}) != 1:
         raise SystemExit(f"modes trained different data at L={length}: "
                          f"{[(r['mode'], r['samples'], r['effective_tokens']) for r in results]}")
-    return {"length": length, "admitted": len(admitted), "dropped": len(dropped), "rows": rows,
-            "budget": rows * length, "sample_lengths": [s.length for s in admitted], "results": results,
-            "ratios": ratios(results)}
+    return {"length": length, "admitted": len(admitted), "dropped": len(data.records) - len(admitted),
+            "rows": rows, "budget": rows * length, "admitted_records": admitted, "record_lengths": data.lengths,
+            "results": results, "ratios": ratios(results)}
 
 
 def mode_result(mode: Mode, run: dict) -> dict:
@@ -385,7 +396,8 @@ def report(args, per_length: list[dict], default_backend: str, seconds: float) -
     lines = [f"recipe {args.recipe}, {args.samples} demo samples, seed {args.seed}, torch threads "
              f"{torch.get_num_threads()}, best of {args.repeats} interleaved epochs per mode; (a)/(b) "
              f"{args.micro_batch} samples per micro-batch, (b) megabatches of {HF_MEGA_BATCH_MULT} x "
-             f"{args.micro_batch}; timed: prepare + forward + loss + backward + clip + AdamW step per micro-batch; "
+             f"{args.micro_batch}; timed: the trainer's step (prepare + forward + loss + backward + clip + AdamW) per "
+             "micro-batch; "
              f"packed default backend {default_backend}"]
     for measured in per_length:
         lines += table_lines(measured)
@@ -432,8 +444,8 @@ def run(args: argparse.Namespace, workdir: Path) -> tuple[list[dict], str]:
     default_backend = resolve_attention(AUTO_ATTENTION, recipe.attention_backends, packed=True)
     backends = list(dict.fromkeys([PADDED_ATTENTION, SDPA_VARLEN, *packed_backends(args, default_backend)]))
     harness = build_harness(recipe, specs, processor, cfg_model, backends)
-    samples = encode_samples(specs, recipe, processor)
-    per_length = [measure_length(args, harness, workdir, length, samples, default_backend)
+    data = read_data(specs, recipe, processor)
+    per_length = [measure_length(args, harness, workdir, length, data, default_backend)
                   for length in sorted(set(args.lengths))]
     return per_length, default_backend
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from mvp_engine.kit.mllm.data import CostProfile, MLLMDataKit, MLLMDataSpec, MLLMSampleEncoder
+from mvp_engine.kit.mllm.data import CostProfile, MLLMDataKit, MLLMDataSpec, MLLMRecord, MLLMSampleEncoder
 
 from .config import ConfigError, RunSpecs, resolve_run_specs
 from .flops import planning_cost_profile
@@ -28,12 +28,13 @@ def run_data_spec(specs: RunSpecs) -> MLLMDataSpec:
 
 
 def build_run_dataset(specs: RunSpecs, encoder: MLLMSampleEncoder, cost_profile: CostProfile | None,
-                      rank: int = 0, world_size: int = 1):
-    """The dataset ``rank`` of ``world_size`` trains on (``MLLMDataKit.build_dataset``); its bad-record report is
-    ``dataset.bad_records``."""
+                      rank: int = 0, world_size: int = 1, records: list[MLLMRecord] | None = None):
+    """The dataset ``rank`` of ``world_size`` trains on (``MLLMDataKit.build_dataset``: the sources' record store,
+    or ``records`` already read from them); its bad-record report is ``dataset.bad_records``."""
     train = specs.train
     return MLLMDataKit.build_dataset(run_data_spec(specs), encoder, rank=rank, world_size=world_size,
-                                     drop_last=train.drop_last, micro_batch_size=train.micro_batch_size,
+                                     drop_last=train.drop_last, records=records,
+                                     micro_batch_size=train.micro_batch_size,
                                      gradient_accumulation_steps=train.gradient_accumulation_steps,
                                      cost_profile=cost_profile)
 

@@ -6,7 +6,6 @@ from .assembler import (
     GreedyAssembler,
     MLLMPackingAssembler,
     OverlongSampleError,
-    PackPlan,
     SingleSampleAssembler,
 )
 from .bad_records import BadRecord, BadRecordReport, TooManyBadRecords
@@ -55,7 +54,6 @@ __all__ = [
     "OverlongSampleError",
     "RecordStore",
     "MediaKind",
-    "PackPlan",
     "Rate",
     "SampleMeta",
     "SingleSampleAssembler",

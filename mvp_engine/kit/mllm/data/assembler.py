@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -67,25 +67,6 @@ class Admission:
         return frozenset(np.flatnonzero(self.truncated_mask).tolist())
 
 
-@dataclass
-class PackPlan:
-    """A planned epoch: packs of sample indices, the length each sample is packed at, and the drops."""
-
-    packs: list[list[int]]
-    lengths: list[int]
-    media_counts: list[int]
-    dropped: dict[int, str] = field(default_factory=dict)
-    truncated: list[int] = field(default_factory=list)
-
-    @property
-    def drop_counts(self) -> dict[str, int]:
-        return dict(Counter(self.dropped.values()))
-
-    def pack_lengths(self) -> list[int]:
-        lengths = self.lengths
-        return [sum(lengths[i] for i in pack) for pack in self.packs]
-
-
 def _import_class(path: str) -> type:
     module_name, _, name = path.rpartition(".")
     try:
@@ -119,20 +100,6 @@ class MLLMPackingAssembler:
         return cls(spec)
 
     # -- planning -------------------------------------------------------------------------------------
-    def plan(self, lengths: Sequence[int], media_counts: Sequence[int] | None = None,
-             media_ends: Sequence[int] | None = None, epoch: int = 0) -> list[list[int]]:
-        return self.plan_with_report(lengths, media_counts, media_ends, epoch).packs
-
-    def plan_with_report(self, lengths: Sequence[int], media_counts: Sequence[int] | None = None,
-                         media_ends: Sequence[int] | None = None, epoch: int = 0) -> PackPlan:
-        """The whole epoch as lists, samples streamed in index order: the small-data API of tests and tools."""
-        admission = self.admit(lengths, media_counts, media_ends)
-        media = _column(media_counts, len(admission.lengths))
-        packs = list(self.iter_groups(np.flatnonzero(admission.admitted_mask), admission.lengths, media,
-                                      self.rng(epoch)))
-        return PackPlan(packs=packs, lengths=admission.lengths.tolist(), media_counts=media.tolist(),
-                        dropped=admission.dropped, truncated=sorted(admission.truncated))
-
     def rng(self, epoch: int) -> np.random.Generator:
         return np.random.default_rng([self.spec.seed, epoch])
 
