@@ -167,6 +167,11 @@ def _to_object(node: DictConfig, schema: type, key: str):
         raise ConfigError(message) from None
 
 
+def demo_spec(cfg: DictConfig) -> DemoSpec:
+    """The validated ``demo.*`` of a composed config."""
+    return _to_object(cfg.demo, DemoSpec, "demo")
+
+
 def resolve_run_specs(cfg: DictConfig, supported_attention: tuple[str, ...]) -> RunSpecs:
     """Validate the composed config; packing is present only when ``+packing=...`` was given."""
     packing_node = cfg.get("packing")
@@ -177,7 +182,7 @@ def resolve_run_specs(cfg: DictConfig, supported_attention: tuple[str, ...]) -> 
         MLLMPackingAssembler.from_spec(data.effective_packing())  # a bad assembler_cls fails here, not mid-run
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    demo = _to_object(cfg.demo, DemoSpec, "demo")
+    demo = demo_spec(cfg)
     if not data.sources and not demo.enabled:
         raise ConfigError("data.sources is empty and demo.enabled=false: nothing to train on")
     for source in data.sources:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import copy
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from ..config import DemoSpec
+from ..config import demo_spec
 from .writer import write_demo_dataset
 
 
@@ -14,10 +14,9 @@ def with_demo_data(cfg: DictConfig) -> DictConfig:
     """A copy of ``cfg`` whose empty ``data.sources`` names the demo set (written on first use, ``demo.*``) when
     ``demo.enabled``; ``cfg`` itself otherwise. The recipe entry point and every tool call it first, so building a
     ``Trainer`` or a report writes no file."""
-    node = cfg.get("demo")
-    if cfg.data.get("sources") or node is None:
+    if cfg.data.get("sources") or cfg.get("demo") is None:
         return cfg
-    demo = DemoSpec(**OmegaConf.to_container(node, resolve=True))
+    demo = demo_spec(cfg)
     if not demo.enabled:
         return cfg
     cfg = copy.deepcopy(cfg)
