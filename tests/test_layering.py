@@ -80,3 +80,81 @@ def test_the_check_catches_what_it_names():
         "defines QwenBundle",
         "defines build_qwen_model",
     ]
+
+
+# --- imports point left; tools are thin command lines --------------------------------------------------------------
+
+# kit <- packing <- engine <- recipes <- tools: a module imports only its own layer and those to its left
+LAYERS = ("mvp_engine.kit", "mvp_engine.packing", "mvp_engine.engine", "recipes", "tools")
+LAYERED_ROOTS = ("mvp_engine", "recipes", "tools")
+
+
+def layer_of(module: str) -> int | None:
+    return next((rank for rank, name in enumerate(LAYERS) if module == name or module.startswith(name + ".")), None)
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO_ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def absolute_imports(where: str, source: str) -> list[tuple[int, str]]:
+    """(line, module) of every import in the module named ``where``, relative ones resolved."""
+    package = where if where.endswith("__init__") else where.rsplit(".", 1)[0]
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            module = ".".join([*base, *(node.module.split(".") if node.module else [])])
+            found += [(node.lineno, f"{module}.{alias.name}" if node.level and not node.module else module)
+                      for alias in node.names]
+    return found
+
+
+def layering_violations(where: str, source: str) -> list[str]:
+    """Imports of ``where`` that point right (into a higher layer), or from one tool into another."""
+    own = layer_of(where)
+    found = []
+    for line, module in absolute_imports(where, source):
+        target = layer_of(module)
+        if target is not None and own is not None and target > own:
+            found.append(f"{where}:{line}: imports {module} (layer {LAYERS[target]} is above {LAYERS[own]})")
+        elif target == own == LAYERS.index("tools"):
+            found.append(f"{where}:{line}: imports {module} (a tool imports another tool)")
+    return found
+
+
+def layered_modules() -> list[Path]:
+    return sorted(p for root in LAYERED_ROOTS for p in (REPO_ROOT / root).rglob("*.py") if "tests" not in p.parts)
+
+
+@pytest.mark.parametrize("path", layered_modules(), ids=lambda p: p.relative_to(REPO_ROOT).as_posix())
+def test_imports_point_left(path):
+    assert layering_violations(module_name(path), path.read_text()) == []
+
+
+@pytest.mark.parametrize("path", sorted((REPO_ROOT / "tools").glob("*.py")), ids=lambda p: p.name)
+def test_a_tool_edits_no_import_path(path):
+    """The package is installed (``pip install -e .``): a tool that edits ``sys.path`` hides a missing install."""
+    tree = ast.parse(path.read_text())
+    edits = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr == "path"
+             and isinstance(node.value, ast.Name) and node.value.id == "sys"]
+    assert edits == [], f"{path.name} touches sys.path at lines {edits}"
+
+
+def test_the_layering_check_catches_what_it_names():
+    source = ("from mvp_engine.engine.config import ConfigError\n"
+              "from . import cost\n"
+              "import recipes.llava\n")
+    found = layering_violations("mvp_engine.kit.mllm.data.spec", source)
+    assert [line.split(": ", 1)[1] for line in found] == [
+        "imports mvp_engine.engine.config (layer mvp_engine.engine is above mvp_engine.kit)",
+        "imports recipes.llava (layer recipes is above mvp_engine.kit)",
+    ]
+    assert layering_violations("mvp_engine.packing.inputs", "from ..engine import trainer\n") == [
+        "mvp_engine.packing.inputs:1: imports mvp_engine.engine (layer mvp_engine.engine is above mvp_engine.packing)"]
+    assert layering_violations("tools.estimate_steps", "from tools.pack_report import ReportSpec\n") == [
+        "tools.estimate_steps:1: imports tools.pack_report (a tool imports another tool)"]
+    assert layering_violations("recipes.qwen2_vl.model", "from recipes.qwen import build_qwen_model\n") == []
