@@ -108,8 +108,8 @@ def absolute_imports(where: str, source: str) -> list[tuple[int, str]]:
         elif isinstance(node, ast.ImportFrom):
             base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
             module = ".".join([*base, *(node.module.split(".") if node.module else [])])
-            found += [(node.lineno, f"{module}.{alias.name}" if node.level and not node.module else module)
-                      for alias in node.names]
+            names = [alias.name for alias in node.names] if not node.module else [None]  # from . import a, b
+            found += [(node.lineno, module if name is None else f"{module}.{name}") for name in names]
     return found
 
 
