@@ -1,0 +1,90 @@
+"""``train.sharding=fsdp2``: torch's FSDP2 (``fully_shard``) over the data-parallel ranks, on CUDA or on the CPU.
+
+The engine calls ``fully_shard`` itself instead of handing the model to ``accelerator.prepare``: accelerate 1.15
+silently ignores its FSDP2 plugin on a CPU machine and wraps the model in DDP (also under ``accelerate launch
+--config_file conf/accelerate/fsdp2.yaml``), while ``fully_shard`` called directly shards over gloo as over NCCL, so
+one code path is exact and tested everywhere. One sharding unit per block the model declares unsplittable
+(``_no_split_modules``: decoder layers, vision blocks), then the root (embeddings, heads, norms, projector).
+
+Whole-model state dicts go through ``torch.distributed.checkpoint.state_dict``: the final ``save_pretrained``
+gathers to rank 0 with CPU offload, and a pretrained model is read by rank 0 alone and broadcast into the shards.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from .config import ConfigError
+
+SHARDINGS = ("none", "fsdp2")
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def mixed_precision_policy(mixed_precision: str) -> MixedPrecisionPolicy:
+    """``train.mixed_precision`` under FSDP2: compute in bf16/fp16 from fp32 master weights, reduce gradients in
+    fp32; ``no``: everything in the parameters' own dtype."""
+    if mixed_precision == "no":
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=_DTYPES[mixed_precision], reduce_dtype=torch.float32)
+
+
+def sharding_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of the classes in ``model._no_split_modules``, innermost first; one line when there are none."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    units = [m for m in model.modules() if m is not model and type(m).__name__ in names]
+    if not units:
+        raise ConfigError(f"train.sharding=fsdp2: {type(model).__name__} declares no blocks to shard "
+                          "(_no_split_modules is empty or matches no module); use train.sharding=none")
+    return units[::-1]
+
+
+def shard_model(model: torch.nn.Module, mixed_precision: str, mesh=None) -> torch.nn.Module:
+    """Shard ``model`` in place over ``mesh`` (default: every rank, on the model's device type) and return it.
+
+    Parameters become ``DTensor`` shards: build the optimizer after this call."""
+    units = sharding_units(model)
+    device = next(model.parameters()).device
+    if device.type == "meta":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    mesh = mesh or init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+    policy = mixed_precision_policy(mixed_precision)
+    for unit in units:
+        fully_shard(unit, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is an FSDP2 root (its parameters are shards, its state dicts need collectives)."""
+    return isinstance(model, FSDPModule)
+
+
+def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+    """Clip to the global gradient norm over every rank's shards (a ``DTensor`` norm is this rank's partial one
+    until ``full_tensor()`` reduces it)."""
+    parameters = [p for p in parameters if p.grad is not None]
+    total = torch.nn.utils.get_total_norm([p.grad for p in parameters])
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+    return total
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer gathered, on the CPU of rank 0 (other ranks get ``{}``); every rank takes part."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Rank 0's full ``state_dict`` broadcast into every rank's shards (the others pass ``{}`` and may have been
+    built on the meta device: their shards are allocated here)."""
+    set_model_state_dict(model, state_dict,
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
