@@ -52,6 +52,7 @@ class TrainSpec:
     resume_from: str | None = None  # null: start fresh; auto: the newest checkpoint in the run directory; or a path
     peak_tflops: float | None = None  # the device's peak for MFU; null: the GPU table (bf16/fp16) or no MFU
     time_barrier: bool = False  # time each rank's compute and its wait at a barrier before the optimizer step
+    activation_checkpointing: bool = False  # recompute each decoder layer and vision block in backward (recompute.py)
 
     def __post_init__(self) -> None:
         for name in ("epochs", "micro_batch_size", "gradient_accumulation_steps", "log_every", "keep_last"):

@@ -14,6 +14,8 @@ This module is the kit's public entry point; the checks live in ``mvp_engine.eng
   reproducible tokenizer asset, no torchvision needed.
 - ``participation``: declared-unreachable parameters really get no gradient; the dummy media pass reaches every
   media parameter with an exact zero.
+- ``recompute``: activation checkpointing gives the same loss and gradients on the packed case, and really
+  recomputes (every layer runs again in backward; fewer bytes saved for backward).
 - ``launch``: real ``python -m`` / torchrun launches of a recipe, their metrics, summaries and final weights.
 - ``records``: demo-like records with real image files (and tiny clips written with PyAV).
 - ``validate``: every soft check of ``tools/validate_recipe.py`` on a recipe's real run (``data_checks``,
@@ -47,6 +49,7 @@ from .testkit.evidence import CheckResult, first_line
 from .testkit.launch import LAUNCH_ENV, final_weights, launch, max_weight_difference, read_metrics, read_summary, start
 from .testkit.participation import check_dummy_media_pass, check_unreachable_parameters_are_unreachable
 from .testkit.recipe_run import validation_config
+from .testkit.recompute import RECOMPUTE_TOL, RecomputeReport, run_recompute_check
 from .testkit.records import (
     assistant,
     demo_like_records,
@@ -83,10 +86,12 @@ __all__ = [
     "LAUNCH_ENV",
     "LEAK_FLOOR",
     "PACKINGS",
+    "RECOMPUTE_TOL",
     "TOL",
     "CheckResult",
     "EquivalenceCase",
     "EquivalenceReport",
+    "RecomputeReport",
     "assistant",
     "backward_available",
     "check_all_combinations_compose",
@@ -118,6 +123,7 @@ __all__ = [
     "read_metrics",
     "read_summary",
     "run_equivalence",
+    "run_recompute_check",
     "runnable_backends",
     "smoke_run",
     "start",

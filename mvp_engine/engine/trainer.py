@@ -40,6 +40,7 @@ from .launch import build_accelerator, describe_processes, end_processes
 from .participation import freeze_parameters
 from .preemption import PreemptionWatch, ignore_stop_signals
 from .recipe import Recipe
+from .recompute import enable_activation_checkpointing
 from .run_data import build_run_dataset, run_data_spec
 from .run_files import RunFiles
 from .step_metrics import StepLog, Throughput, barrier_timing_ms, step_record
@@ -119,6 +120,8 @@ class Trainer:
         self.processor = recipe.build_processor(cfg.model)
         self.encoder = recipe.build_encoder(self.processor)
         self.model = recipe.build_model(cfg.model, self.specs.attention)
+        if train.activation_checkpointing:  # before any sharding wraps the layers (recompute.py)
+            enable_activation_checkpointing(self.model)
         self.parameters = freeze_parameters(self.model, cfg.model.get("freeze") or [],
                                             recipe.unreachable_parameters(self.model))
         self.dummy_media = recipe.dummy_media(self.model)
@@ -328,6 +331,7 @@ class Trainer:
             "packing": None if not self.packed else self.specs.data.packing.strategy,
             "attention": self.specs.attention,
             "world_size": self.accelerator.num_processes,
+            "activation_checkpointing": self.specs.train.activation_checkpointing,
             "estimated_steps": self.total_steps,
             "actual_steps": state.step,
             "steps_per_rank_this_session": steps_per_rank,

@@ -69,7 +69,8 @@ class SmokeSuite(RecipeSuite):
 
 class EquivalenceSuite(RecipeSuite):
     """Packed == one-by-one for every backend the recipe declares (skipped, with the reason, where this machine
-    cannot run it); the flash kwargs through sdpa_varlen on CPU."""
+    cannot run it); the flash kwargs through sdpa_varlen on CPU; activation checkpointing exact on the packed case
+    for every backend this machine trains with."""
 
     def pytest_generate_tests(self, metafunc):
         if "backend" in metafunc.fixturenames:
@@ -99,6 +100,15 @@ class EquivalenceSuite(RecipeSuite):
         if report is None:
             pytest.skip(f"{self.recipe} has no linear-attention layers")
         print("\n".join(report.lines()))
+
+    def test_activation_checkpointing_is_exact_and_recomputes(self, case, backend):
+        try:
+            check_attention(backend, case.recipe.attention_backends)  # a backend this machine trains with
+        except ConfigError as err:
+            pytest.skip(str(err))
+        report = kit.run_recompute_check(case, backend)
+        print("\n".join(report.lines()))
+        report.check()
 
     def test_declared_unreachable_parameters_get_no_gradient(self, case):
         kit.check_unreachable_parameters_are_unreachable(case)
