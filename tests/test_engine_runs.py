@@ -40,14 +40,14 @@ def stops_with(capsys, line: str) -> bool:
     return re.search(line, capsys.readouterr().err.strip().splitlines()[-1]) is not None
 
 
-def test_an_fsdp_launch_on_a_cpu_machine_is_refused_with_one_line(monkeypatch, tmp_path, capsys):
-    if torch.cuda.is_available():
-        pytest.skip("FSDP is allowed where CUDA is")
+def test_an_fsdp_launch_without_train_sharding_is_refused_with_one_line(monkeypatch, tmp_path, capsys):
+    """accelerate would wrap the model in DDP on a CPU machine: the launch alone never decides what runs."""
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     cfg = kit.compose_config("llava", [f"train.output_dir={tmp_path}", f"demo.out_dir={tmp_path / 'demo'}"])
     with pytest.raises(SystemExit):
         run_recipe(cfg, kit.load_recipe("llava"))
-    assert stops_with(capsys, "^config error: FSDP .* needs CUDA GPUs")
+    assert stops_with(capsys, r"^config error: train.sharding='none', but the accelerate config asks for FSDP .*"
+                              r"add train.sharding=fsdp2")
 
 
 def test_every_way_out_of_a_run_tears_the_process_group_down(tmp_path, capsys):
@@ -64,11 +64,12 @@ def test_every_way_out_of_a_run_tears_the_process_group_down(tmp_path, capsys):
 def test_fsdp2_trains_on_cuda(tmp_path):
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONF / "accelerate" / "fsdp2.yaml"),
            "--num_processes", "1", "--main_process_port", "0", "-m", "recipes.qwen2_vl.train", "+packing=greedy",
-           "demo.num_samples=24", "train.epochs=1", f"demo.out_dir={tmp_path / 'demo'}", f"hydra.run.dir={tmp_path}"]
+           "demo.num_samples=24", "train.epochs=1", "train.sharding=fsdp2", f"demo.out_dir={tmp_path / 'demo'}",
+           f"hydra.run.dir={tmp_path}"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=CONF.parent)
     assert result.returncode == 0, result.stderr[-4000:]
     summary = kit.read_summary(tmp_path)
-    assert summary["actual_steps"] == summary["estimated_steps"]
+    assert summary["actual_steps"] == summary["estimated_steps"] and summary["sharding"] == "fsdp2"
 
 
 @pytest.mark.parametrize("override,key", [
@@ -78,6 +79,7 @@ def test_fsdp2_trains_on_cuda(tmp_path):
     ("train.resume_from=/no/such/checkpoint", "train.resume_from"), ("train.pad_to_multiple_of=0",
                                                                      "train.pad_to_multiple_of"),
     ("train.seed=-3", "train.seed"), ("train.num_workers=-1", "train.num_workers"),
+    ("train.sharding=zero3", "train.sharding"),
 ])
 def test_every_train_value_is_checked_at_config_time(override, key):
     recipe = kit.load_recipe("qwen2_vl")

@@ -19,6 +19,7 @@ from .loss import REDUCTIONS
 
 AUTO_ATTENTION = "auto"  # resolved per machine and run kind by resolve_attention
 MIXED_PRECISION = ("no", "bf16", "fp16")
+SHARDINGS = ("none", "fsdp2")  # train.sharding (mvp_engine.engine.sharding)
 # The Hydra config root: conf/<recipe>.yaml is each recipe's primary config.
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
@@ -52,6 +53,7 @@ class TrainSpec:
     resume_from: str | None = None  # null: start fresh; auto: the newest checkpoint in the run directory; or a path
     peak_tflops: float | None = None  # the device's peak for MFU; null: the GPU table (bf16/fp16) or no MFU
     time_barrier: bool = False  # time each rank's compute and its wait at a barrier before the optimizer step
+    sharding: str = "none"  # none: DDP (replicated model); fsdp2: torch's FSDP2 over the ranks (sharding.py)
     activation_checkpointing: bool = False  # recompute each decoder layer and vision block in backward (recompute.py)
 
     def __post_init__(self) -> None:
@@ -78,6 +80,8 @@ class TrainSpec:
         schedulers = [kind.value for kind in SchedulerType]
         if self.lr_scheduler not in schedulers:
             raise ConfigError(f"train.lr_scheduler={self.lr_scheduler!r} is invalid: allowed one of {schedulers}")
+        if self.sharding not in SHARDINGS:
+            raise ConfigError(f"train.sharding={self.sharding!r} is invalid: allowed one of {list(SHARDINGS)}")
         if self.mixed_precision not in MIXED_PRECISION:
             raise ConfigError(f"train.mixed_precision={self.mixed_precision!r} is invalid: allowed one of "
                               f"{list(MIXED_PRECISION)}")

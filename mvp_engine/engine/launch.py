@@ -23,16 +23,18 @@ def fsdp_requested() -> bool:
     return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true")
 
 
-def build_accelerator(mixed_precision: str) -> Accelerator:
+def build_accelerator(mixed_precision: str, sharding: str = "none") -> Accelerator:
     """The run's accelerator: CUDA when present (NCCL under a launcher), else the CPU (gloo under a launcher).
 
-    FSDP on CPU is refused: accelerate would silently run plain DDP instead, which is not what was asked for.
+    ``sharding`` is ``train.sharding``, the one switch for FSDP2: the engine shards with torch's ``fully_shard``
+    itself (``sharding.py``), and the accelerator only sets up the process group and the device. An accelerate
+    FSDP config (``conf/accelerate/fsdp2.yaml``) without ``train.sharding=fsdp2`` is refused: accelerate would wrap
+    the model in DDP on a CPU machine, so the launch alone must not decide what runs.
     """
+    if fsdp_requested() and sharding != "fsdp2":
+        raise ConfigError(f"train.sharding={sharding!r}, but the accelerate config asks for FSDP (distributed_type: "
+                          "FSDP): add train.sharding=fsdp2, or launch with conf/accelerate/ddp.yaml for DDP")
     cuda = torch.cuda.is_available()
-    if fsdp_requested() and not cuda:
-        raise ConfigError("FSDP (accelerate config distributed_type: FSDP) needs CUDA GPUs; accelerate would "
-                          "silently run plain DDP on this CPU-only machine: launch with conf/accelerate/ddp.yaml "
-                          "or torchrun instead")
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # its per-file save/load lines drown the step log
     return Accelerator(cpu=not cuda, mixed_precision=mixed_precision)
 

@@ -9,11 +9,14 @@ AdamW skips a parameter whose gradient is None but applies momentum and weight d
   named by the recipe's ``unreachable_parameters`` hook, and so are those matching ``model.freeze``.
 - A micro-batch without media adds a zero-weighted pass of the media encoder over the recipe's tiny dummy input
   (``dummy_media``), as InternVL and LLaMA-Factory do: the media parameters get an exact zero gradient, on one rank
-  as on N, and the loss and every other gradient are unchanged.
+  as on N, and the loss and every other gradient are unchanged. It runs where a real image's encoder pass runs, at
+  the start of the model's forward (:func:`forward_with_media_pass`), so a rank without media runs the same
+  collectives in the same order as a rank with media (FSDP2 gathers each vision block when it is called).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
 
@@ -107,3 +110,24 @@ def dummy_media_loss(model, dummy_inputs: dict) -> torch.Tensor:
     features = [part for part in consumed if part is not None] or outputs
     total = sum(t.float().sum() for t in _tensors(features) if t.is_floating_point())
     return total * 0.0
+
+
+def forward_with_media_pass(model, kwargs: Mapping, dummy_inputs: dict | None):
+    """``model(**kwargs)`` and, when ``dummy_inputs`` is given (a micro-batch without media), the dummy media pass's
+    zero loss (else None).
+
+    The pass is a forward pre-hook of the transformers model, so it runs inside the forward of any wrapper (DDP,
+    FSDP2) and before the language model, as a real image's encoder pass does: FSDP2's own pre-hook (registered
+    first, with ``prepend``) has gathered the root's parameters, and the vision blocks are gathered in the same
+    order on every rank, before the decoder layers, whether the rank's micro-batch has media or not.
+    """
+    if dummy_inputs is None:
+        return model(**kwargs), None
+    losses = []
+    hook = unwrap_model(model).register_forward_pre_hook(
+        lambda module, args: losses.append(dummy_media_loss(module, dummy_inputs)))
+    try:
+        outputs = model(**kwargs)
+    finally:
+        hook.remove()
+    return outputs, losses[0]

@@ -16,7 +16,8 @@ from transformers import get_scheduler
 
 from .config import TrainSpec
 from .loss import token_weights, weighted_token_loss
-from .participation import dummy_media_loss, has_media
+from .participation import forward_with_media_pass, has_media
+from .sharding import clip_grad_norm_, is_sharded
 
 
 def optimizer_and_schedule(model, train: TrainSpec, total_steps: int):
@@ -60,20 +61,25 @@ class TrainStep:
         denominator = total.clamp(min=1e-12)
         step_loss = 0.0
         compute_start = time.perf_counter()
+        sharded = is_sharded(model)
         for index, batch in enumerate(group):
             batch = send_to_device(batch, accelerator.device)
-            sync = index == len(group) - 1 and not timed
+            # FSDP2 reduce-scatters after every micro-batch (its module has no no_sync; the sharded gradients
+            # accumulate): the mean over ranks of a sum over micro-batches, as DDP's one sync gives
+            sync = sharded or index == len(group) - 1 and not timed
             context = accelerator.no_sync(model) if not sync else nullcontext()
             with context:
-                outputs = model(**self.prepare(batch, model, self.attention))
+                outputs, dummy = forward_with_media_pass(model, self.prepare(batch, model, self.attention),
+                                                         None if has_media(batch) else self.dummy_media)
                 part = weighted_token_loss(outputs.logits, batch["labels"], batch["pack_segment_ids"], reduction)
                 loss = part.weighted_sum / denominator * accelerator.num_processes
-                if not has_media(batch):
-                    loss = loss + dummy_media_loss(model, self.dummy_media)
+                if dummy is not None:
+                    loss = loss + dummy
                 accelerator.backward(loss)
             step_loss += float(part.weighted_sum.detach()) / float(denominator)
         timing = self._barrier_and_sync(model, time.perf_counter() - compute_start) if timed else None
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), self.train.max_grad_norm)
+        accelerator.unscale_gradients()  # fp16's loss scale (nothing otherwise)
+        grad_norm = clip_grad_norm_(model.parameters(), self.train.max_grad_norm)  # float64, sharded or not
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)

@@ -43,6 +43,7 @@ from .recipe import Recipe
 from .recompute import enable_activation_checkpointing
 from .run_data import build_run_dataset, run_data_spec
 from .run_files import RunFiles
+from .sharding import full_state_dict, is_sharded, own_class, shard_model
 from .step_metrics import StepLog, Throughput, barrier_timing_ms, step_record
 from .train_step import TrainStep, optimizer_and_schedule
 
@@ -110,7 +111,7 @@ class Trainer:
         run_data_spec(self.specs)  # no sources: one line saying what to do, before any model is built
         self.cfg = cfg
         train = self.specs.train
-        self.accelerator = build_accelerator(train.mixed_precision)
+        self.accelerator = build_accelerator(train.mixed_precision, train.sharding)
         set_seed(train.seed)
         self.output_dir = Path(train.output_dir or "outputs/run")
         self.files = RunFiles(self.output_dir)
@@ -184,8 +185,14 @@ class Trainer:
             print(f"{describe_processes(self.accelerator)}; attention {self.specs.attention} "
                   f"({'packed' if self.packed else 'unpacked'})")
             print(self.parameters.describe())
-        optimizer, scheduler = optimizer_and_schedule(self.model, train, self.total_steps)
-        model, optimizer = self.accelerator.prepare(self.model, optimizer)
+        if train.sharding == "fsdp2":
+            # torch's fully_shard, not accelerator.prepare: accelerate 1.15 ignores its FSDP2 plugin on a CPU
+            # machine and wraps the model in DDP (sharding.py); the optimizer is built over the shards
+            model = shard_model(self.model, train.mixed_precision)
+            optimizer, scheduler = optimizer_and_schedule(model, train, self.total_steps)
+        else:
+            optimizer, scheduler = optimizer_and_schedule(self.model, train, self.total_steps)
+            model, optimizer = self.accelerator.prepare(self.model, optimizer)
         if train.time_barrier and self.accelerator.num_processes > 1 and \
                 not isinstance(model, torch.nn.parallel.DistributedDataParallel):
             raise ConfigError("train.time_barrier=true needs DDP (torchrun or conf/accelerate/ddp.yaml) or one "
@@ -331,6 +338,7 @@ class Trainer:
             "packing": None if not self.packed else self.specs.data.packing.strategy,
             "attention": self.specs.attention,
             "world_size": self.accelerator.num_processes,
+            "sharding": self.specs.train.sharding,
             "activation_checkpointing": self.specs.train.activation_checkpointing,
             "estimated_steps": self.total_steps,
             "actual_steps": state.step,
@@ -351,11 +359,13 @@ class Trainer:
         }
 
     def _save(self, model, summary: dict) -> None:
-        state_dict = self.accelerator.get_state_dict(model)  # every rank takes part (FSDP gathers shards here)
+        # every rank takes part: FSDP2 gathers the shards to rank 0, on its CPU
+        state_dict = full_state_dict(model) if is_sharded(model) else self.accelerator.get_state_dict(model)
         if not self.accelerator.is_main_process:
             return
         model_dir = self.output_dir / "model"
-        self.accelerator.unwrap_model(model).save_pretrained(model_dir, state_dict=state_dict)
+        with own_class(self.accelerator.unwrap_model(model)) as unwrapped:
+            unwrapped.save_pretrained(model_dir, state_dict=state_dict)
         self.processor.save_pretrained(model_dir)
         self.files.write_summary(summary)
         print(f"summary: steps {summary['actual_steps']} (estimated {summary['estimated_steps']}), loss "
