@@ -172,3 +172,24 @@ def test_bench_balance_meets_the_targets_at_8_ranks():
 def test_bench_balance_verdict_is_the_targets(mean, p95, expected):
     assert bench_balance.verdict({"mean": mean, "p95": p95}, "compute") == expected
     assert bench_balance.verdict({"mean": mean, "p95": p95}, "none") == "-"
+
+
+def step_packs(strategy: str, balance: str, world_size: int, micro_batch_size: int, accumulation: int) -> list:
+    """Per optimizer step, the packs every rank trains in it (all-padding rows left out), as a sorted list."""
+    ranks = [list(dataset(strategy, balance, rank=r, world_size=world_size, micro_batch_size=micro_batch_size,
+                          accumulation=accumulation).rank_packs()) for r in range(world_size)]
+    per_step = micro_batch_size * accumulation
+    return [sorted(tuple(p) for served in ranks for p in served[s * per_step:(s + 1) * per_step] if p)
+            for s in range(-(-len(ranks[0]) // per_step))]
+
+
+@pytest.mark.parametrize("strategy,balance", [("bfd", "none"), ("greedy", "none"), ("bfd", "compute"),
+                                              ("greedy", "compute")])
+def test_every_split_of_one_global_batch_trains_the_same_packs_in_each_step(strategy, balance):
+    """What elastic resume rests on: packs go to steps before ranks, so a step count is one position under any
+    world size x micro-batch x accumulation of the same product, round-robin or compute-balanced, short last step
+    included (the plan's pack count is not a multiple of 6)."""
+    splits = [(3, 2, 1), (1, 2, 3), (6, 1, 1), (1, 1, 6), (2, 1, 3)]
+    steps = [step_packs(strategy, balance, *split) for split in splits]
+    assert len(dataset(strategy, balance).plan(0).packs) % 6, "the epoch must end on a short step"
+    assert all(s == steps[0] for s in steps[1:])

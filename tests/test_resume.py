@@ -65,7 +65,7 @@ def test_resume_from_a_checkpoint_reproduces_the_rest_of_the_run(references, dat
     step = resume_point(expected, where)
     checkpoint = reference / CHECKPOINTS / f"step_{step:08d}"
     state = load_run_state(checkpoint)
-    assert (state.epoch, state.micro_batches_done > 0) == ((0, True) if where == "mid" else (1, False))
+    assert (state.epoch, state.epoch_steps_done > 0) == ((0, True) if where == "mid" else (1, False))
     kit.launch(RECIPE, tmp_path, [*common(data, packing), f"train.resume_from={checkpoint}",
                                   f"train.num_workers={workers}"], nproc=nproc)
     assert kit.read_metrics(tmp_path) == expected[step:]
@@ -165,6 +165,6 @@ def test_a_crash_during_a_save_leaves_the_previous_checkpoint_usable(references,
     shutil.copytree(reference / CHECKPOINTS / "step_00000002", run_dir / CHECKPOINTS / "step_00000002")
     half_written = run_dir / CHECKPOINTS / ".step_00000003.partial"
     shutil.copytree(reference / CHECKPOINTS / "step_00000003", half_written)
-    (half_written / "model.safetensors").write_bytes(b"truncated")
+    (half_written / "__0_0.distcp").write_bytes(b"truncated")
     kit.launch(RECIPE, run_dir, [*common(data, "bfd"), "train.resume_from=auto"])
     assert kit.read_metrics(run_dir) == kit.read_metrics(reference)[2:]

@@ -48,7 +48,7 @@ class RunFiles:
         """``dropped_records.jsonl`` keeps the epochs the resumed position has already started (a killed run may
         have listed the next one too)."""
         path = self.dropped_records
-        started = state.epoch + (1 if state.micro_batches_done else 0)
+        started = state.epoch + (1 if state.epoch_steps_done else 0)
         kept = [line for line in path.read_text().splitlines() if json.loads(line)["epoch"] < started] \
             if state.step and path.is_file() else []
         path.write_text("".join(line + "\n" for line in kept))

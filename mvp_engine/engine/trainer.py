@@ -30,7 +30,7 @@ from mvp_engine.kit.mllm.data import (
     TokenAccounting,
     TooManyBadRecords,
 )
-from mvp_engine.kit.mllm.data.steps import micro_batches_per_rank
+from mvp_engine.kit.mllm.data.steps import estimate_total_steps
 
 from .checkpoint import Checkpointer, RunState, load_run_state, resolve_resume
 from .config import CONF_DIR, ConfigError, RunSpecs, resolve_run_specs
@@ -79,13 +79,13 @@ class Progress:
         self.ledgers.append(ledger)
         self.totals.dropped.update(ledger.dropped)
 
-    def record_step(self, loss: float, counts: TokenAccounting, micro_batches: int, epoch_micro_batches: int) -> None:
+    def record_step(self, loss: float, counts: TokenAccounting, epoch_steps: int) -> None:
         self.totals = self.totals + counts
         self.ledgers[-1].samples_trained += counts.samples
         self.steps_this_session += 1
         self.state.record(loss, self.totals)
         self.state.epochs = [ledger.to_dict() for ledger in self.ledgers]
-        self.state.advance(micro_batches, epoch_micro_batches)
+        self.state.advance(epoch_steps)
 
 
 @dataclass
@@ -117,7 +117,7 @@ class Trainer:
         self.files = RunFiles(self.output_dir)
         self.resume_from = resolve_resume(train.resume_from, self.output_dir)
         if self.resume_from is not None:
-            load_run_state(self.resume_from).check_shape(*self._shape(), source=self.resume_from)
+            load_run_state(self.resume_from).check_resume(*self._shape(), train.drop_last, source=self.resume_from)
         self.processor = recipe.build_processor(cfg.model)
         self.encoder = recipe.build_encoder(self.processor)
         self.model = recipe.build_model(cfg.model, self.specs.attention)
@@ -146,7 +146,7 @@ class Trainer:
         return self.files.bad_records
 
     def _shape(self) -> tuple[int, int, int]:
-        """What decides which packs each rank trains at each step: a resume must keep it."""
+        """How each step's packs are split over ranks and micro-batches: a resume must keep their product."""
         train = self.specs.train
         return self.accelerator.num_processes, train.micro_batch_size, train.gradient_accumulation_steps
 
@@ -156,7 +156,8 @@ class Trainer:
         """Train every epoch (a stop signal checkpoints and ends early), then write the summary and the model."""
         self._report_bad_records_found_before_training()
         model, optimizer, scheduler = self._prepare_training()
-        checkpointer = Checkpointer(self.accelerator, self.output_dir, self.specs.train.keep_last)
+        checkpointer = Checkpointer(self.accelerator, self.output_dir, self.specs.train.keep_last, model, optimizer,
+                                    scheduler)
         progress = Progress.from_state(self._start_state(checkpointer))
         started = time.perf_counter()
         with self._step_log(progress.state) as log, PreemptionWatch() as preemption:
@@ -179,7 +180,7 @@ class Trainer:
         report.check(self.bad_records_path)
 
     def _prepare_training(self):
-        """The model and optimizer prepared by accelerate (DDP / FSDP2), the schedule registered for checkpoints."""
+        """The model and optimizer prepared by accelerate (DDP / FSDP2), and the schedule."""
         train = self.specs.train
         if self.accelerator.is_main_process:
             print(f"{describe_processes(self.accelerator)}; attention {self.specs.attention} "
@@ -197,7 +198,6 @@ class Trainer:
                 not isinstance(model, torch.nn.parallel.DistributedDataParallel):
             raise ConfigError("train.time_barrier=true needs DDP (torchrun or conf/accelerate/ddp.yaml) or one "
                               f"process; this run is {self.accelerator.distributed_type.value}")
-        self.accelerator.register_for_checkpointing(scheduler)
         model.train()
         return model, optimizer, scheduler
 
@@ -209,7 +209,10 @@ class Trainer:
         state = checkpointer.load(self.resume_from)
         if self.accelerator.is_main_process:
             print(f"resumed from {self.resume_from}: step {state.step}, epoch {state.epoch}, "
-                  f"{state.micro_batches_done} micro-batches into it")
+                  f"{state.epoch_steps_done} steps into it (saved under world_size {state.world_size} x micro-batch "
+                  f"{state.micro_batch_size} x accumulation {state.gradient_accumulation_steps})")
+        # the next checkpoint is written under this run's split
+        state.world_size, state.micro_batch_size, state.gradient_accumulation_steps = self._shape()
         return state
 
     def _step_log(self, state: RunState) -> StepLog:
@@ -248,33 +251,36 @@ class Trainer:
         train, progress = self.specs.train, session.progress
         state = progress.state
         epoch = state.epoch
-        if state.micro_batches_done == 0:
+        if state.epoch_steps_done == 0:
             progress.start_epoch(self.dataset.epoch_ledger(train.micro_batch_size, epoch))
             if self.accelerator.is_main_process:
                 self.files.list_dropped_records(self.dataset, train.micro_batch_size, epoch)
-        epoch_micro_batches = self._epoch_micro_batches(epoch)
-        for group in step_groups(self._loader(epoch, state.micro_batches_done), train.gradient_accumulation_steps):
+        epoch_steps = self._epoch_steps(epoch)
+        rank_packs_done = state.epoch_steps_done * train.gradient_accumulation_steps * train.micro_batch_size
+        for group in step_groups(self._loader(epoch, rank_packs_done), train.gradient_accumulation_steps):
             # one collective at every step boundary, before the step: a stop signal on any rank, and the samples
             # decoding faults took out of this step's packs on every rank
             progress.stopped_by = self._step_boundary(group, session.preemption, progress.ledgers[-1])
             if progress.stopped_by:
                 session.checkpointer.save(state)
                 return
-            self._step(session, group, epoch, epoch_micro_batches)
+            self._step(session, group, epoch, epoch_steps)
             if train.save_every_steps and state.step % train.save_every_steps == 0:
                 session.log.note(f"checkpoint: {session.checkpointer.save(state)}")
 
-    def _epoch_micro_batches(self, epoch: int) -> int:
+    def _epoch_steps(self, epoch: int) -> int:
         train = self.specs.train
-        return micro_batches_per_rank(len(self.dataset.plan(epoch).packs), train.micro_batch_size,
-                                      self.accelerator.num_processes, train.drop_last)
+        return estimate_total_steps([len(self.dataset.plan(epoch).packs)], train.micro_batch_size,
+                                    train.gradient_accumulation_steps, self.accelerator.num_processes, train.drop_last)
 
-    def _loader(self, epoch: int, micro_batches_done: int = 0) -> DataLoader:
+    def _loader(self, epoch: int, rank_packs_done: int = 0) -> DataLoader:
+        """This rank's packs of ``epoch`` from its ``rank_packs_done``-th on: a step count times the packs each rank
+        takes per step, which maps one global position to every split of the same global batch."""
         self.dataset.set_epoch(epoch)
         train = self.specs.train
         if hasattr(self.dataset, "worker_batch_size"):
             self.dataset.worker_batch_size = train.micro_batch_size
-        dataset = self.dataset.starting_at(micro_batches_done * train.micro_batch_size)
+        dataset = self.dataset.starting_at(rank_packs_done)
         # its own generator: creating the iterator must not draw from the global RNG, or a mid-epoch resume (which
         # creates one more iterator than the uninterrupted run) would continue on another random stream
         return DataLoader(dataset, batch_size=train.micro_batch_size, collate_fn=self.collator,
@@ -282,14 +288,14 @@ class Trainer:
                           worker_init_fn=ignore_stop_signals if train.num_workers else None,
                           generator=torch.Generator().manual_seed(train.seed * 1_000_003 + epoch))
 
-    def _step(self, session: Session, group: list[dict], epoch: int, epoch_micro_batches: int) -> None:
+    def _step(self, session: Session, group: list[dict], epoch: int, epoch_steps: int) -> None:
         """One optimizer step, its counts summed over ranks, and its record logged."""
         start = time.perf_counter()
         lr = session.scheduler.get_last_lr()[0]  # the rate this step trains at
         loss, grad_norm, timing = self.train_step(group, session.model, session.optimizer, session.scheduler)
         seconds = time.perf_counter() - start
         counts = self._step_counts(group)
-        session.progress.record_step(loss, counts, len(group), epoch_micro_batches)
+        session.progress.record_step(loss, counts, epoch_steps)
         record = step_record(session.progress.state.step, epoch, loss, lr, grad_norm, counts, seconds,
                              self.accelerator.num_processes, self.peak_tflops)
         if timing is not None:
