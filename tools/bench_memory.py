@@ -1,0 +1,368 @@
+"""Memory of a training step, counted from tensors: what FSDP2 shards off each rank, what recomputation saves.
+
+Why: a model trains on a device only if its parameters, gradients and optimizer state plus the activations of one
+micro-batch fit. Under DDP every rank holds all of the first three (16 bytes per parameter with fp32 AdamW);
+FSDP2 (``train.sharding=fsdp2``) keeps 1/N of them per rank; activation checkpointing
+(``train.activation_checkpointing=true``) keeps only each layer's inputs and recomputes the rest in backward, at the
+price of one more forward. This measures both on a mid-size configuration of the LLaVA recipe: its ``build_model``
+with the tiny config widened by overrides (defaults: ~100 M parameters), fp32 on CPU.
+
+What is measured, exactly (from tensors, never from RSS):
+
+- State per rank, 2 ranks over gloo (``torch.multiprocessing``, a file rendezvous): each rank builds the same seeded
+  model, freezes what the recipe declares unreachable (as the trainer does), wraps it in torch's DDP or shards it
+  with the engine's ``mvp_engine.engine.sharding.shard_model`` (FSDP2), builds the engine's AdamW
+  (``optimizer_and_schedule``), trains one packed micro-batch of ``--state-length`` tokens (the rank's pack of the
+  run's plan; the zero-weighted dummy media pass where it has no image) and steps. Then, before any ``zero_grad``
+  (the peak of the step), it adds up the bytes of every parameter, every gradient and every optimizer state tensor
+  (``exp_avg``, ``exp_avg_sq``, ``step``); a ``DTensor`` counts its local shard. Not counted: DDP's gradient
+  buckets (another copy of the gradients for its all-reduce), FSDP2's transient unsharded parameters of the layer
+  it is computing.
+- Activations, one process: the fullest pack of a ``+packing=greedy`` plan at ``--length`` (default 4096) tokens
+  of the demo set, padded to exactly that many slots, through the recipe's ``prepare_packed`` on the packed default
+  backend (``attention=auto``). Bytes saved for backward: ``mvp_engine.engine.recompute.SavedForBackward`` over
+  the forward and the token loss (tensors autograd saves, plus the inputs each checkpointed layer keeps; each
+  storage once; parameters left out), without and with activation checkpointing, on the same weights.
+- The step time cost of recomputation, in the same run: prepare + forward + loss + backward, each mode first runs
+  one untimed step (the one that counts its saved bytes, paying one-off costs), then ``--repeats`` timed steps,
+  the modes interleaved; the fastest of each counts. The gradients of the two modes are compared too.
+
+Targets, each printed with its measured value and OK/MISS:
+
+1. FSDP2 per-rank state <= 0.55x DDP's at 2 ranks (the worst rank);
+2. activation checkpointing's bytes saved for backward <= 0.3x the bytes without.
+
+    python tools/bench_memory.py [--length 4096] [--state-length 512] [--samples 64] [--hidden 768]
+        [--intermediate 2560] [--layers 12] [--heads 12] [--kv-heads 4] [--vision-hidden 384]
+        [--vision-intermediate 1536] [--vision-layers 4] [--vision-heads 6] [--repeats 1] [--threads 1]
+        [--workdir DIR] [--json PATH]
+
+``main(argv)`` returns what it printed as a dict; the numbers come from functions returning data
+(``measure_state``, ``measure_activations``, ``targets``), ``report`` only formats them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from mvp_engine.engine.config import RunSpecs, TrainSpec, resolve_run_specs
+from mvp_engine.engine.demo import with_demo_data
+from mvp_engine.engine.loss import weighted_token_loss
+from mvp_engine.engine.participation import dummy_media_loss, freeze_parameters, has_media
+from mvp_engine.engine.recipe import Recipe
+from mvp_engine.engine.recompute import SavedForBackward, enable_activation_checkpointing
+from mvp_engine.engine.run_data import build_run_dataset
+from mvp_engine.engine.sharding import shard_model
+from mvp_engine.engine.testing import compose_config, load_recipe
+from mvp_engine.engine.train_step import optimizer_and_schedule
+from mvp_engine.kit.mllm.data import MLLMCollator
+
+RECIPE = "llava"
+WORLD_SIZE = 2
+STATE_MODES = ("ddp", "fsdp2")
+ACTIVATION_MODES = ("none", "checkpointing")
+TARGET_STATE_RATIO = 0.55
+TARGET_SAVED_RATIO = 0.3
+EXACT_TOL = 1e-6
+MIB = 2**20
+
+
+# ------------------------------------------------------------------------------------------ counting, exactly
+
+
+def local_bytes(tensor: torch.Tensor) -> int:
+    """Bytes this rank holds for ``tensor``: its local shard when it is a ``DTensor``."""
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
+
+
+def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of the parameters, their gradients and the optimizer's state tensors on this rank, and their total."""
+    parameters = list(model.parameters())
+    out = {"parameters": sum(local_bytes(p) for p in parameters),
+           "gradients": sum(local_bytes(p.grad) for p in parameters if p.grad is not None),
+           "optimizer": sum(local_bytes(value) for state in optimizer.state.values() for value in state.values()
+                            if isinstance(value, torch.Tensor))}
+    out["total"] = sum(out.values())
+    return out
+
+
+# ------------------------------------------------------------------------------------------ model and data
+
+
+def model_overrides(args: argparse.Namespace) -> list[str]:
+    """Hydra overrides widening the recipe's tiny model to the bench's sizes (fp32, seeded)."""
+    text, vision = "model.config.text_config", "model.config.vision_config"
+    return [f"{text}.hidden_size={args.hidden}", f"{text}.intermediate_size={args.intermediate}",
+            f"{text}.num_hidden_layers={args.layers}", f"{text}.num_attention_heads={args.heads}",
+            f"{text}.num_key_value_heads={args.kv_heads}", f"{text}.max_position_embeddings={args.length}",
+            f"{vision}.hidden_size={args.vision_hidden}", f"{vision}.intermediate_size={args.vision_intermediate}",
+            f"{vision}.num_hidden_layers={args.vision_layers}", f"{vision}.num_attention_heads={args.vision_heads}",
+            "model.dtype=float32", f"model.seed={args.seed}"]
+
+
+def run_specs(args: argparse.Namespace, recipe: Recipe, workdir: Path, length: int) -> tuple[dict, RunSpecs]:
+    """The model config (a plain dict: it travels to the ranks) and the specs of a greedy-packed run at
+    ``length``, its sources filled with the demo set."""
+    cfg = with_demo_data(compose_config(RECIPE, [*model_overrides(args), "+packing=greedy",
+                                                 f"data.max_seq_len={length}", f"demo.num_samples={args.samples}",
+                                                 f"demo.out_dir={workdir / 'demo'}", f"data.seed={args.seed}"]))
+    return OmegaConf.to_container(cfg.model, resolve=True), resolve_run_specs(cfg, recipe.attention_backends)
+
+
+def fullest_batches(recipe: Recipe, model_cfg: dict, specs: RunSpecs, count: int) -> list[dict]:
+    """The ``count`` fullest packs of the run's first epoch, each collated as training collates it into one row
+    padded to exactly ``max_seq_len`` slots."""
+    processor = recipe.build_processor(model_cfg)
+    dataset = build_run_dataset(specs, recipe.build_encoder(processor), None)
+    plan = dataset.plan(0)
+    packs = sorted(plan.packs, key=lambda pack: -sum(plan.lengths[i] for i in pack))[:count]
+    if len(packs) < count:
+        raise SystemExit(f"the plan has {len(packs)} packs, {count} needed: raise --samples")
+    collator = MLLMCollator(recipe.pad_token_id(processor), specs.data.packing.max_seq_len)
+    batches = [collator([dataset.encode_pack(pack)]) for pack in packs]
+    for batch in batches:
+        batch.pop("bad_records", None)  # batch-only, as the trainer's step boundary takes them
+    return batches
+
+
+def build_model(recipe: Recipe, model_cfg: dict, attention: str, checkpointing: bool = False):
+    """The recipe's seeded model, its unreachable parameters frozen as the trainer freezes them, in train mode."""
+    model = recipe.build_model(model_cfg, attention)
+    freeze_parameters(model, [], recipe.unreachable_parameters(model))
+    if checkpointing:
+        enable_activation_checkpointing(model)
+    return model.train()
+
+
+def packed_loss(recipe: Recipe, model, batch: dict, attention: str) -> torch.Tensor:
+    """prepare_packed + forward + token-mean loss, plus the zero-weighted dummy media pass of a text-only batch."""
+    logits = model(**recipe.prepare_packed(batch, model, attention)).logits
+    part = weighted_token_loss(logits, batch["labels"], batch["pack_segment_ids"], "token")
+    loss = part.weighted_sum / part.weight_total
+    return loss if has_media(batch) else loss + dummy_media_loss(model, recipe.dummy_media(model))
+
+
+# ------------------------------------------------------------------------------- state, on two ranks
+
+
+def state_after_step(mode: str, recipe: Recipe, model_cfg: dict, attention: str, batch: dict,
+                     train: TrainSpec) -> dict[str, int]:
+    """One AdamW step of ``mode`` (torch's DDP or the engine's FSDP2) on this rank; the state bytes at its end."""
+    model = build_model(recipe, model_cfg, attention)
+    wrapped = DistributedDataParallel(model) if mode == "ddp" else shard_model(model, train.mixed_precision)
+    optimizer, _ = optimizer_and_schedule(wrapped, train, 1)
+    packed_loss(recipe, wrapped, batch, attention).backward()
+    optimizer.step()
+    return state_bytes(wrapped, optimizer)
+
+
+def rank_main(rank: int, rendezvous: str, model_cfg: dict, attention: str, batches: list[dict], train: TrainSpec,
+              threads: int, out_dir: str) -> None:
+    """One rank of ``measure_state`` (started by ``torch.multiprocessing.spawn``): every mode, then its numbers."""
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD_SIZE)
+    try:
+        recipe = load_recipe(RECIPE)
+        result = {mode: state_after_step(mode, recipe, model_cfg, attention, batches[rank], train)
+                  for mode in STATE_MODES}
+    finally:
+        dist.destroy_process_group()
+    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def measure_state(model_cfg: dict, attention: str, batches: list[dict], train: TrainSpec, threads: int,
+                  workdir: Path) -> dict[str, list[dict[str, int]]]:
+    """Per mode, per rank: the state bytes after one step on 2 ranks."""
+    out_dir = Path(tempfile.mkdtemp(dir=workdir, prefix="state"))
+    torch.multiprocessing.spawn(rank_main, nprocs=WORLD_SIZE, join=True,
+                                args=(str(out_dir / "rendezvous"), model_cfg, attention, batches, train, threads,
+                                      str(out_dir)))
+    ranks = [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
+    return {mode: [rank[mode] for rank in ranks] for mode in STATE_MODES}
+
+
+# ------------------------------------------------------------------------------ activations, one process
+
+
+def timed_step(recipe: Recipe, model, batch: dict, attention: str) -> tuple[float, float]:
+    """prepare + forward + loss + backward from fresh gradients: its loss and seconds."""
+    model.zero_grad(set_to_none=True)
+    start = time.perf_counter()
+    loss = packed_loss(recipe, model, batch, attention)
+    loss.backward()
+    return float(loss.detach()), time.perf_counter() - start
+
+
+def saved_bytes_step(recipe: Recipe, model, batch: dict, attention: str) -> int:
+    """The untimed first step: bytes its forward leaves for backward, then its backward."""
+    with SavedForBackward(model) as saved:
+        loss = packed_loss(recipe, model, batch, attention)
+        counted = saved.bytes
+    loss.backward()
+    return counted
+
+
+def measure_activations(recipe: Recipe, model_cfg: dict, attention: str, batch: dict, repeats: int) -> dict:
+    """Per mode (without / with activation checkpointing, the same weights): saved bytes, loss and the fastest step;
+    the step ratio and how far the two modes' losses and gradients differ."""
+    models = {mode: build_model(recipe, model_cfg, attention, checkpointing=mode == "checkpointing")
+              for mode in ACTIVATION_MODES}
+    out = {mode: {"saved_bytes": saved_bytes_step(recipe, model, batch, attention), "times_s": []}
+           for mode, model in models.items()}
+    for _ in range(repeats):
+        for mode, model in models.items():
+            out[mode]["loss"], seconds = timed_step(recipe, model, batch, attention)
+            out[mode]["times_s"].append(seconds)
+    for mode in ACTIVATION_MODES:
+        out[mode]["step_s"] = min(out[mode]["times_s"])
+    plain, recomputed = (dict(models[mode].named_parameters()) for mode in ACTIVATION_MODES)
+    out["grad_diff"] = max(float((p.grad - recomputed[name].grad).abs().max())
+                           for name, p in plain.items() if p.grad is not None)
+    out["loss_diff"] = abs(out["none"]["loss"] - out["checkpointing"]["loss"])
+    out["step_ratio"] = out["checkpointing"]["step_s"] / out["none"]["step_s"]
+    out["saved_ratio"] = out["checkpointing"]["saved_bytes"] / out["none"]["saved_bytes"]
+    out["parameters"] = sum(p.numel() for p in plain.values())
+    out["trainable"] = sum(p.numel() for p in plain.values() if p.requires_grad)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- report
+
+
+def verdict(ok: bool) -> str:
+    return "OK" if ok else "MISS"
+
+
+def state_ratio(state: dict[str, list[dict[str, int]]]) -> float:
+    """FSDP2's per-rank total over DDP's, on the worst rank."""
+    return max(fsdp["total"] / ddp["total"] for ddp, fsdp in zip(state["ddp"], state["fsdp2"]))
+
+
+def targets(state: dict[str, list[dict[str, int]]], activations: dict) -> list[dict]:
+    """The two targets, each with its value, its limit and its verdict."""
+    ratio, saved = state_ratio(state), activations["saved_ratio"]
+    return [{"name": "state", "value": ratio, "limit": TARGET_STATE_RATIO, "ok": ratio <= TARGET_STATE_RATIO,
+             "line": f"(1) FSDP2 per-rank state <= {TARGET_STATE_RATIO}x DDP's at {WORLD_SIZE} ranks: {ratio:.3f}x "
+                     f"-> {verdict(ratio <= TARGET_STATE_RATIO)}"},
+            {"name": "saved", "value": saved, "limit": TARGET_SAVED_RATIO, "ok": saved <= TARGET_SAVED_RATIO,
+             "line": f"(2) activation checkpointing saved bytes <= {TARGET_SAVED_RATIO}x without: {saved:.3f}x -> "
+                     f"{verdict(saved <= TARGET_SAVED_RATIO)}"}]
+
+
+def batch_line(batch: dict) -> str:
+    real = int((batch["pack_segment_ids"] >= 0).sum())
+    return (f"{int(batch['source_sample_num'].sum())} samples, {real} real tokens of {batch['input_ids'].shape[1]}, "
+            f"{int(batch['media_tokens'].sum())} image tokens")
+
+
+def report(args, model_cfg: dict, attention: str, batches: dict, state: dict, activations: dict,
+           seconds: float) -> dict:
+    """The header, the two tables, the targets and the cost as lines, with every number behind them."""
+    text, vision = model_cfg["config"]["text_config"], model_cfg["config"]["vision_config"]
+    lines = [f"recipe {RECIPE} widened: text hidden {text['hidden_size']}, intermediate {text['intermediate_size']}, "
+             f"layers {text['num_hidden_layers']}, heads {text['num_attention_heads']} (kv "
+             f"{text['num_key_value_heads']}); vision hidden {vision['hidden_size']}, layers "
+             f"{vision['num_hidden_layers']}; {activations['parameters'] / 1e6:.1f} M parameters "
+             f"({activations['trainable'] / 1e6:.1f} M trainable), fp32 on CPU, attention {attention}, torch threads "
+             f"{args.threads}",
+             f"state per rank after one AdamW step ({WORLD_SIZE} ranks, gloo; one packed micro-batch each, L="
+             f"{args.state_length}), bytes counted from tensors (a DTensor: its local shard):",
+             f"  {'mode':<6s} {'rank':>4s} {'params MiB':>11s} {'grads MiB':>10s} {'optim MiB':>10s} "
+             f"{'total MiB':>10s}"]
+    for mode in STATE_MODES:
+        for rank, numbers in enumerate(state[mode]):
+            lines.append(f"  {mode:<6s} {rank:>4d} {numbers['parameters'] / MIB:>11.1f} "
+                         f"{numbers['gradients'] / MIB:>10.1f} {numbers['optimizer'] / MIB:>10.1f} "
+                         f"{numbers['total'] / MIB:>10.1f}")
+    lines += [f"activations of one packed micro-batch at L={args.length} ({batch_line(batches['activations'])}): "
+              f"bytes saved for backward, step = prepare + forward + loss + backward, best of {args.repeats} after "
+              "1 untimed step",
+              f"  {'mode':<14s} {'saved MiB':>10s} {'step s':>8s} {'loss':>10s}"]
+    for mode in ACTIVATION_MODES:
+        numbers = activations[mode]
+        lines.append(f"  {mode:<14s} {numbers['saved_bytes'] / MIB:>10.1f} {numbers['step_s']:>8.2f} "
+                     f"{numbers['loss']:>10.6f}")
+    found = targets(state, activations)
+    exact = activations["loss_diff"] <= EXACT_TOL and activations["grad_diff"] <= EXACT_TOL
+    lines += ["targets:", *(f"  {t['line']}" for t in found),
+              f"cost: a step with recomputation takes {activations['step_ratio']:.3f}x the step without",
+              f"same training: loss diff {activations['loss_diff']:.1e}, max grad diff {activations['grad_diff']:.1e} "
+              f"(<= {EXACT_TOL:.0e}) -> {verdict(exact)}",
+              f"bench time {seconds:.1f} s"]
+    return {"recipe": RECIPE, "model": model_cfg["config"], "attention": attention, "args": vars(args),
+            "state": state, "state_ratio": state_ratio(state), "activations": activations, "targets": found,
+            "exact": exact, "ok": all(t["ok"] for t in found) and exact, "seconds": seconds, "lines": lines}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--length", type=int, default=4096, help="tokens of the activation micro-batch")
+    parser.add_argument("--state-length", type=int, default=512, help="tokens of each rank's micro-batch")
+    parser.add_argument("--samples", type=int, default=64, help="demo records planned")
+    for name, default in (("hidden", 768), ("intermediate", 2560), ("layers", 12), ("heads", 12), ("kv-heads", 4),
+                          ("vision-hidden", 384), ("vision-intermediate", 1536), ("vision-layers", 4),
+                          ("vision-heads", 6)):
+        parser.add_argument(f"--{name}", type=int, default=default, help=f"model size: {name}")
+    parser.add_argument("--repeats", type=int, default=1, help="timed steps per mode; the fastest counts")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads in every process")
+    parser.add_argument("--seed", type=int, default=0, help="weights and the demo plan")
+    parser.add_argument("--workdir", type=Path, help="demo data and rank outputs (default: a temporary directory)")
+    parser.add_argument("--json", type=Path, help="write every number here")
+    args = parser.parse_args(argv)
+    if min(args.length, args.state_length, args.samples, args.repeats, args.threads, args.layers,
+           args.vision_layers) < 1:
+        parser.error("lengths, --samples, --repeats, --threads and layer counts must be >= 1")
+    return args
+
+
+def progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace, workdir: Path) -> dict:
+    started = time.perf_counter()
+    torch.set_num_threads(args.threads)
+    recipe = load_recipe(RECIPE)
+    model_cfg, state_specs = run_specs(args, recipe, workdir, args.state_length)
+    _, activation_specs = run_specs(args, recipe, workdir, args.length)
+    batches = {"state": fullest_batches(recipe, model_cfg, state_specs, WORLD_SIZE),
+               "activations": fullest_batches(recipe, model_cfg, activation_specs, 1)[0]}
+    progress(f"state: {WORLD_SIZE} ranks, {', '.join(STATE_MODES)}")
+    state = measure_state(model_cfg, state_specs.attention, batches["state"], state_specs.train, args.threads,
+                          workdir)
+    progress(f"activations at L={args.length}: {', '.join(ACTIVATION_MODES)}")
+    activations = measure_activations(recipe, model_cfg, activation_specs.attention, batches["activations"],
+                                      args.repeats)
+    return report(args, model_cfg, activation_specs.attention, batches, state, activations,
+                  time.perf_counter() - started)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.workdir is None:
+        with tempfile.TemporaryDirectory() as workdir:
+            result = run(args, Path(workdir))
+    else:
+        args.workdir.mkdir(parents=True, exist_ok=True)
+        result = run(args, args.workdir)
+    print("\n".join(result["lines"]))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
