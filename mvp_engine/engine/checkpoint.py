@@ -4,10 +4,10 @@ Model and optimizer go through ``torch.distributed.checkpoint`` (DCP): ``get_sta
 give the same canonical names for a plain, a DDP and an FSDP2-sharded model, and ``FileSystemWriter`` writes a
 ``.metadata`` file plus one ``__<rank>_<n>.distcp`` per rank holding that rank's shards (under DDP every tensor is
 replicated and DCP writes it once). This one path replaces accelerate's ``save_state`` / ``load_state`` for every
-kind of run: accelerate's FSDP2 plugin is not used on CPU (``sharding.py``) and its files hold whole tensors, while
-DCP reshards on load, so a checkpoint resumes under another world size, sharded or not.
+kind of run: the engine shards with ``fully_shard`` itself (``sharding.py``), which accelerate's ``save_state`` does
+not know, and DCP reshards on load, so a checkpoint resumes under another world size, sharded or not.
 
-Beside the DCP files: the scheduler (inside the DCP state, written once), every rank's RNG states
+Beside the DCP files: the scheduler and fp16's loss scaler (inside the DCP state, written once), every rank's RNG states
 (``rng_<rank>.pt``: python, numpy, torch, CUDA) and :class:`RunState` in ``trainer_state.json``: step, epoch,
 optimizer steps done in that epoch, the accounting totals and the losses so far. The position is counted by the
 trainer itself, in optimizer steps, never read back from the dataset (DataLoader workers keep their own copies).
@@ -174,9 +174,16 @@ class Checkpointer:
 
     def _state(self) -> dict:
         model, optimizer = get_state_dict(self.model, self.optimizer)
-        return {"model": model, "optimizer": optimizer, "scheduler": self.scheduler.state_dict()}
+        state = {"model": model, "optimizer": optimizer, "scheduler": self.scheduler.state_dict()}
+        if self.accelerator.scaler is not None:  # fp16's loss scale
+            state["scaler"] = self.accelerator.scaler.state_dict()
+        return state
 
-    def save(self, state: RunState) -> Path:
+    def save(self, state: RunState) -> Path | None:
+        """The checkpoint of ``state``; none before the first step: a fresh start resumes that exactly, while DCP
+        would first give the empty optimizer a zero-gradient step to have state to save, which a resume would count."""
+        if state.step == 0:
+            return None
         name = f"step_{state.step:08d}"
         final, partial = self.root / name, self.root / f".{name}.partial"
         main, rank = self.accelerator.is_main_process, self.accelerator.process_index
@@ -207,6 +214,8 @@ class Checkpointer:
         set_state_dict(self.model, self.optimizer, model_state_dict=loaded["model"],
                        optim_state_dict=loaded["optimizer"])
         self.scheduler.load_state_dict(loaded["scheduler"])
+        if "scaler" in loaded:
+            self.accelerator.scaler.load_state_dict(loaded["scaler"])
         own = checkpoint / f"rng_{self.accelerator.process_index}.pt"
         _set_rng_states(torch.load(own if own.is_file() else checkpoint / "rng_0.pt", weights_only=False))
         return load_run_state(checkpoint)
