@@ -21,18 +21,22 @@ from mvp_engine.engine.trainer import Trainer, run_recipe
 CONF = kit.CONF_DIR
 
 
-def test_accelerate_launch_with_the_ddp_config_trains_two_processes_in_one_run_directory(tmp_path):
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONF / "accelerate" / "ddp.yaml"),
-           "--num_processes", "2", "--main_process_port", "0", "-m", "recipes.llava.train", "+packing=bfd",
-           "demo.num_samples=24", "data.max_seq_len=512", "train.epochs=1", f"demo.out_dir={tmp_path / 'demo'}"]
+@pytest.mark.parametrize("config,sharding", [("ddp", "none"), ("fsdp2", "fsdp2")])
+def test_accelerate_launch_with_a_config_trains_two_processes_in_one_run_directory(config, sharding, tmp_path):
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(CONF / "accelerate" / f"{config}.yaml"), "--num_processes", "2", "--main_process_port", "0", "-m",
+           "recipes.llava.train", "+packing=bfd", "demo.num_samples=24", "data.max_seq_len=512", "train.epochs=1",
+           f"train.sharding={sharding}", f"demo.out_dir={tmp_path / 'demo'}"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
                             env={**os.environ, **kit.LAUNCH_ENV})
     assert result.returncode == 0, result.stderr[-4000:]
     assert "world_size 2, process-group backend gloo" in result.stdout
+    assert ("sharding: fsdp2 over 2 ranks" in result.stdout) == (sharding == "fsdp2"), result.stdout
     run_dirs = list((tmp_path / "outputs" / "llava").iterdir())
     assert len(run_dirs) == 1, f"one launch made {run_dirs}"
     summary = kit.read_summary(run_dirs[0])
     assert summary["world_size"] == 2 and summary["steps_per_rank_this_session"] == [summary["estimated_steps"]] * 2
+    assert summary["sharding"] == sharding
 
 
 def stops_with(capsys, line: str) -> bool:

@@ -12,13 +12,18 @@ holds the tokenizer and the image processor instead and saves both.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from accelerate import init_empty_weights
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
+
+_WITHOUT_WEIGHTS: ContextVar[bool] = ContextVar("pretrained_without_weights", default=False)
 
 
 def to_plain(cfg: Any) -> Any:
@@ -92,6 +97,10 @@ def build_hf_model(model_cls, model_cfg: Mapping | None, attn_implementation: st
     """
     cfg = to_plain(model_cfg) or {}
     dtype = getattr(torch, str(cfg.get("dtype") or "float32"))
+    if cfg.get("pretrained") and _WITHOUT_WEIGHTS.get():
+        with init_empty_weights(include_buffers=False):  # buffers (rotary frequencies) are computed, not loaded
+            return model_cls._from_config(AutoConfig.from_pretrained(cfg["pretrained"]),
+                                          attn_implementation=attn_implementation, dtype=dtype)
     if cfg.get("pretrained"):
         return model_cls.from_pretrained(cfg["pretrained"], attn_implementation=attn_implementation, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(cfg, default_tokenizer_dir))
@@ -100,3 +109,15 @@ def build_hf_model(model_cls, model_cfg: Mapping | None, attn_implementation: st
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(int(cfg.get("seed") or 0))
         return model_cls._from_config(config, attn_implementation=attn_implementation, dtype=dtype)
+
+
+@contextmanager
+def pretrained_without_weights() -> Iterator[None]:
+    """Inside, :func:`build_hf_model` builds a ``pretrained`` model from its config alone, parameters on the meta
+    device: the ranks of a sharded run that receive their shards from rank 0 (``sharding.load_full_state_dict``)
+    read no weights, so host memory does not grow with ranks x model."""
+    token = _WITHOUT_WEIGHTS.set(True)
+    try:
+        yield
+    finally:
+        _WITHOUT_WEIGHTS.reset(token)

@@ -67,6 +67,14 @@ def shard_model(model: torch.nn.Module, mixed_precision: str, mesh=None) -> torc
     return model
 
 
+def describe_sharding(model: torch.nn.Module) -> str:
+    """The start-of-run line: what this rank really holds."""
+    local = sum(_local(p).numel() for p in model.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    return (f"sharding: fsdp2 over {torch.distributed.get_world_size()} ranks, this rank holds {local:,} of "
+            f"{total:,} parameter elements")
+
+
 def is_sharded(model: torch.nn.Module) -> bool:
     """Whether ``model`` is an FSDP2 root (its parameters are shards, its state dicts need collectives)."""
     return isinstance(model, FSDPModule)

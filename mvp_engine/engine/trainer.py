@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 import time
 from collections import Counter
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
@@ -32,6 +33,7 @@ from mvp_engine.kit.mllm.data import (
 )
 from mvp_engine.kit.mllm.data.steps import estimate_total_steps
 
+from .builders import pretrained_without_weights
 from .checkpoint import Checkpointer, RunState, load_run_state, resolve_resume
 from .config import CONF_DIR, ConfigError, RunSpecs, resolve_run_specs
 from .demo import with_demo_data
@@ -43,7 +45,7 @@ from .recipe import Recipe
 from .recompute import enable_activation_checkpointing
 from .run_data import build_run_dataset, run_data_spec
 from .run_files import RunFiles
-from .sharding import full_state_dict, is_sharded, own_class, shard_model
+from .sharding import describe_sharding, full_state_dict, is_sharded, load_full_state_dict, own_class, shard_model
 from .step_metrics import StepLog, Throughput, barrier_timing_ms, step_record
 from .train_step import TrainStep, optimizer_and_schedule
 
@@ -120,7 +122,12 @@ class Trainer:
             load_run_state(self.resume_from).check_resume(*self._shape(), train.drop_last, source=self.resume_from)
         self.processor = recipe.build_processor(cfg.model)
         self.encoder = recipe.build_encoder(self.processor)
-        self.model = recipe.build_model(cfg.model, self.specs.attention)
+        # FSDP2 from a pretrained folder: rank 0 alone reads the weights, the other ranks build on the meta device
+        # and receive their shards when the model is sharded (_prepare_training)
+        self.broadcast_weights = train.sharding == "fsdp2" and bool(cfg.model.get("pretrained"))
+        with pretrained_without_weights() if self.broadcast_weights and not self.accelerator.is_main_process \
+                else nullcontext():
+            self.model = recipe.build_model(cfg.model, self.specs.attention)
         if train.activation_checkpointing:  # before any sharding wraps the layers (recompute.py)
             enable_activation_checkpointing(self.model)
         self.parameters = freeze_parameters(self.model, cfg.model.get("freeze") or [],
@@ -189,7 +196,12 @@ class Trainer:
         if train.sharding == "fsdp2":
             # torch's fully_shard, not accelerator.prepare: accelerate 1.15 ignores its FSDP2 plugin on a CPU
             # machine and wraps the model in DDP (sharding.py); the optimizer is built over the shards
+            full = self.model.state_dict() if self.broadcast_weights and self.accelerator.is_main_process else {}
             model = shard_model(self.model, train.mixed_precision)
+            if self.broadcast_weights:
+                load_full_state_dict(model, full)
+            if self.accelerator.is_main_process:
+                print(describe_sharding(model))
             optimizer, scheduler = optimizer_and_schedule(model, train, self.total_steps)
         else:
             optimizer, scheduler = optimizer_and_schedule(self.model, train, self.total_steps)

@@ -7,3 +7,5 @@ from mvp_engine.engine.testkit.suites import DistributedSuite
 class TestDistributed(DistributedSuite):
     recipe = "qwen2_vl"
     reductions = ("square",)  # bfd packs with images; llava runs every reduction
+    sharded_reductions = ("token",)
+    sharded_freeze = ("model.visual.blocks.0", "*.mlp.up_proj")  # a whole sharding unit, and parts of others

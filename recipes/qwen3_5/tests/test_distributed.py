@@ -8,3 +8,5 @@ from mvp_engine.engine.testkit.suites import DistributedSuite
 class TestDistributed(DistributedSuite):
     recipe = "qwen3_5"
     reductions = ("square",)  # bfd packs with images
+    sharded_reductions = ("sample",)
+    sharded_freeze = ("model.language_model.layers.0.linear_attn",)  # part of a linear-attention sharding unit
