@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import mvp_engine.engine.testing as kit
-from mvp_engine.engine.config import ConfigError
+from mvp_engine.engine.config import ConfigError, TrainSpec
 from mvp_engine.engine.sharding import clip_grad_norm_, shard_model
 from mvp_engine.engine.trainer import run_recipe
 
@@ -46,3 +46,8 @@ def test_the_gradient_norm_is_summed_in_float64():
     total = clip_grad_norm_([param], max_norm=1.0)
     assert abs(float(total) - exact) <= 1e-7 * exact
     assert abs(float(param.grad.double().norm()) - 1.0) <= 1e-6
+
+
+def test_fp16_under_fsdp2_is_refused_with_one_line():
+    with pytest.raises(ConfigError, match=r"^train.mixed_precision='fp16' is not supported under train.sharding=fsdp2"):
+        TrainSpec(sharding="fsdp2", mixed_precision="fp16")

@@ -82,6 +82,9 @@ class TrainSpec:
             raise ConfigError(f"train.lr_scheduler={self.lr_scheduler!r} is invalid: allowed one of {schedulers}")
         if self.sharding not in SHARDINGS:
             raise ConfigError(f"train.sharding={self.sharding!r} is invalid: allowed one of {list(SHARDINGS)}")
+        if self.sharding == "fsdp2" and self.mixed_precision == "fp16":
+            raise ConfigError("train.mixed_precision='fp16' is not supported under train.sharding=fsdp2 (its loss "
+                              "scaler would not see the sharded gradients): use 'bf16'")
         if self.mixed_precision not in MIXED_PRECISION:
             raise ConfigError(f"train.mixed_precision={self.mixed_precision!r} is invalid: allowed one of "
                               f"{list(MIXED_PRECISION)}")

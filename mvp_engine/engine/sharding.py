@@ -27,15 +27,13 @@ from torch.distributed.tensor import DTensor
 
 from .config import ConfigError
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 def mixed_precision_policy(mixed_precision: str) -> MixedPrecisionPolicy:
-    """``train.mixed_precision`` under FSDP2: compute in bf16/fp16 from fp32 master weights, reduce gradients in
-    fp32; ``no``: everything in the parameters' own dtype."""
-    if mixed_precision == "no":
-        return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=_DTYPES[mixed_precision], reduce_dtype=torch.float32)
+    """``train.mixed_precision`` under FSDP2: ``bf16`` computes in bf16 from fp32 master weights and reduces
+    gradients in fp32; ``no``: everything in the parameters' own dtype (fp16 is refused by ``TrainSpec``)."""
+    if mixed_precision == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
 
 
 def sharding_units(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -56,10 +54,9 @@ def shard_model(model: torch.nn.Module, mixed_precision: str, mesh=None) -> torc
         raise ConfigError("train.sharding=fsdp2 needs several processes: launch with torchrun --nproc_per_node N or "
                           "accelerate launch --config_file conf/accelerate/fsdp2.yaml")
     units = sharding_units(model)
-    device = next(model.parameters()).device
-    if device.type == "meta":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    mesh = mesh or init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+    # fully_shard moves the shards onto the mesh's device (the current CUDA device, as the launcher set it)
+    mesh = mesh or init_device_mesh("cuda" if torch.cuda.is_available() else "cpu",
+                                    (torch.distributed.get_world_size(),))
     policy = mixed_precision_policy(mixed_precision)
     for unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=policy)
