@@ -1,5 +1,6 @@
-"""2-process gloo training of qwen2_vl equals 1-process accumulation, text-only and uneven micro-batches included
-(the kit's ``DistributedSuite``; llava's suite covers the other loss reductions)."""
+"""2-process gloo training of qwen2_vl equals 1-process accumulation, DDP and FSDP2 (with a frozen vision block and
+frozen MLP projections), text-only and uneven micro-batches included (the kit's ``DistributedSuite``; llava's suite
+covers the other loss reductions)."""
 
 from mvp_engine.engine.testkit.suites import DistributedSuite
 
