@@ -4,9 +4,9 @@ Both dataset kinds plan with the same ``MLLMPackingAssembler`` as the step estim
 packs served are exactly the packs counted. Packs are split across ranks round-robin (pack k goes to rank
 k mod world_size) and, inside a rank, across DataLoader workers the same way, so optimizer step s trains the plan's
 packs [s x G, (s + 1) x G) for a global batch of G packs under any world size x micro-batch x accumulation: the data
-position is a step count, which lets a run resume on another world size (tests/test_balance.py). Under ``packing.balance=compute`` the
-plan's packs are first reordered, window by window, so that each optimizer step gives every rank a similar cost
-(``balance.py``; the counts per rank and the step count do not change).
+position is a step count, which lets a run resume on another world size (tests/test_balance.py). Under
+``packing.balance=compute`` the plan's packs are first reordered, window by window, so that each optimizer step gives
+every rank a similar cost (``balance.py``; the counts per rank and the step count do not change).
 
 Memory does not grow with Python objects per record: records stay in a memory-mapped :class:`RecordStore` (or a
 small in-memory list), their measured metadata in numpy columns (:class:`SampleMetas`, cached on disk), and a plan
