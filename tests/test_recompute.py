@@ -62,3 +62,23 @@ def test_training_with_activation_checkpointing_trains_what_training_without_doe
     plain, recomputed = runs[False]["losses"], runs[True]["losses"]
     assert len(plain) == len(recomputed) >= 2
     assert max(abs(a - b) for a, b in zip(plain, recomputed)) <= 1e-6
+
+
+@pytest.mark.slow
+def test_fsdp2_with_recomputation_on_two_ranks_trains_what_fsdp2_without_trains(tmp_path):
+    """qwen3_5 sharded on 2 gloo ranks: its linear-attention layers and vision blocks recompute inside FSDP2's
+    unshard / reshard hooks. Unpacked, one sample per micro-batch, on data alternating image and text-only records:
+    at each step one rank runs the dummy media pass (recomputed too) while the other encodes an image."""
+    data = kit.write_mixed_jsonl(tmp_path / "mixed")
+    common = [f"data.sources=[{data}]", "data.shuffle=false", "data.max_seq_len=160", "train.epochs=2",
+              "train.micro_batch_size=1", "train.learning_rate=5e-3", "train.sharding=fsdp2"]
+    for on in ("false", "true"):
+        kit.launch("qwen3_5", tmp_path / on, [*common, f"train.activation_checkpointing={on}"], nproc=2)
+    plain, recomputed = kit.read_metrics(tmp_path / "false"), kit.read_metrics(tmp_path / "true")
+    assert len(plain) == len(recomputed) >= 10
+    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(plain, recomputed)) <= 1e-6
+    assert max(abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(plain, recomputed)) <= 1e-6
+    difference = kit.max_weight_difference(kit.final_weights(tmp_path / "false"), kit.final_weights(tmp_path / "true"))
+    assert difference <= 1e-6, f"parameters differ by {difference}"
+    summary = kit.read_summary(tmp_path / "true")
+    assert (summary["world_size"], summary["sharding"], summary["activation_checkpointing"]) == (2, "fsdp2", True)

@@ -59,7 +59,7 @@ from torch.nn.parallel import DistributedDataParallel
 from mvp_engine.engine.config import RunSpecs, TrainSpec, resolve_run_specs
 from mvp_engine.engine.demo import with_demo_data
 from mvp_engine.engine.loss import weighted_token_loss
-from mvp_engine.engine.participation import dummy_media_loss, freeze_parameters, has_media
+from mvp_engine.engine.participation import forward_with_media_pass, freeze_parameters, has_media
 from mvp_engine.engine.recipe import Recipe
 from mvp_engine.engine.recompute import SavedForBackward, enable_activation_checkpointing
 from mvp_engine.engine.run_data import build_run_dataset
@@ -147,11 +147,13 @@ def build_model(recipe: Recipe, model_cfg: dict, attention: str, checkpointing: 
 
 
 def packed_loss(recipe: Recipe, model, batch: dict, attention: str) -> torch.Tensor:
-    """prepare_packed + forward + token-mean loss, plus the zero-weighted dummy media pass of a text-only batch."""
-    logits = model(**recipe.prepare_packed(batch, model, attention)).logits
-    part = weighted_token_loss(logits, batch["labels"], batch["pack_segment_ids"], "token")
+    """prepare_packed + forward + token-mean loss, with the trainer's zero-weighted dummy media pass on a batch
+    without media (``forward_with_media_pass``)."""
+    outputs, dummy = forward_with_media_pass(model, recipe.prepare_packed(batch, model, attention),
+                                             None if has_media(batch) else recipe.dummy_media(model))
+    part = weighted_token_loss(outputs.logits, batch["labels"], batch["pack_segment_ids"], "token")
     loss = part.weighted_sum / part.weight_total
-    return loss if has_media(batch) else loss + dummy_media_loss(model, recipe.dummy_media(model))
+    return loss if dummy is None else loss + dummy
 
 
 # ------------------------------------------------------------------------------- state, on two ranks
@@ -356,7 +358,7 @@ def main(argv: list[str] | None = None) -> dict:
             result = run(args, Path(workdir))
     else:
         args.workdir.mkdir(parents=True, exist_ok=True)
-        result = run(args, args.workdir)
+        result = run(args, args.workdir.resolve())  # absolute: the ranks' file:// rendezvous needs it
     print("\n".join(result["lines"]))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

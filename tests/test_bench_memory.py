@@ -1,0 +1,77 @@
+"""tools/bench_memory.py: what it computes, on known models and tiny sizes.
+
+Checked: the state count of fp32 AdamW after a step is 4x the trainable parameters' bytes (plus its step
+counters), frozen parameters count once; OK/MISS are decided by the targets; one tiny run of the command itself on
+its own 2 ranks exits 0, and its numbers hold together: DDP's ranks each hold everything, FSDP2's shards add up to
+exactly DDP's parameters and hold about half per rank, recomputation saves bytes and trains the same. Wall-clock
+values are never asserted; the printed table is formatting and is not parsed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mvp_engine.engine.testing import LAUNCH_ENV
+from tools import bench_memory as bench
+
+TOOL = Path(bench.__file__)
+TINY = ["--length", "512", "--state-length", "256", "--samples", "16", "--hidden", "64", "--intermediate", "128",
+        "--layers", "2", "--heads", "4", "--kv-heads", "2", "--vision-hidden", "32", "--vision-intermediate", "64",
+        "--vision-layers", "2", "--vision-heads", "2"]
+
+
+def test_fp32_adamw_state_after_a_step_is_four_times_the_trainable_bytes():
+    trained, frozen = torch.nn.Linear(64, 32), torch.nn.Linear(8, 8)
+    frozen.requires_grad_(False)
+    model = torch.nn.Sequential(trained, frozen)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    torch.nn.Sequential(trained, torch.nn.Linear(32, 8), frozen)(torch.randn(3, 64)).sum().backward()
+    optimizer.step()
+    trainable, fixed = (64 * 32 + 32) * 4, (8 * 8 + 8) * 4
+    counters = 2 * 4  # AdamW's fp32 ``step`` of the weight and of the bias
+    assert bench.state_bytes(model, optimizer) == {"parameters": trainable + fixed, "gradients": trainable,
+                                                   "optimizer": 2 * trainable + counters,
+                                                   "total": 4 * trainable + fixed + counters}
+
+
+def state(ddp_total: int, fsdp_totals: list[int]) -> dict:
+    return {"ddp": [{"total": ddp_total}] * 2, "fsdp2": [{"total": t} for t in fsdp_totals]}
+
+
+@pytest.mark.parametrize(("fsdp_totals", "saved_ratio", "expected"), [
+    ([500, 550], 0.3, [True, True]),
+    ([500, 551], 0.1, [False, True]),  # the worst rank decides
+    ([500, 500], 0.31, [True, False]),
+])
+def test_ok_and_miss_are_decided_by_the_targets(fsdp_totals, saved_ratio, expected):
+    found = bench.targets(state(1000, fsdp_totals), {"saved_ratio": saved_ratio})
+    assert [t["ok"] for t in found] == expected
+    assert [t["line"].endswith("OK" if ok else "MISS") for t, ok in zip(found, expected)] == [True, True]
+
+
+def test_the_command_measures_on_two_ranks_and_its_numbers_hold(tmp_path):
+    out = tmp_path / "bench.json"
+    result = subprocess.run([sys.executable, str(TOOL), *TINY, "--workdir", "work", "--json", str(out)],
+                            capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                            env={**os.environ, **LAUNCH_ENV})
+    assert result.returncode == 0, result.stderr[-4000:]
+    numbers = json.loads(out.read_text())
+    ddp, fsdp = numbers["state"]["ddp"], numbers["state"]["fsdp2"]
+    activations = numbers["activations"]
+    assert ddp[0] == ddp[1]  # every rank holds all of it
+    assert ddp[0]["parameters"] == 4 * activations["parameters"] and ddp[0]["gradients"] == 4 * activations["trainable"]
+    assert 2 * ddp[0]["gradients"] < ddp[0]["optimizer"] < 2 * ddp[0]["gradients"] + 4 * 1024
+    assert sum(rank["parameters"] for rank in fsdp) == ddp[0]["parameters"]  # the shards partition the model
+    assert sum(rank["gradients"] for rank in fsdp) == ddp[0]["gradients"]
+    assert 0.45 < numbers["state_ratio"] <= bench.TARGET_STATE_RATIO
+    assert activations["checkpointing"]["saved_bytes"] < activations["none"]["saved_bytes"]
+    assert activations["loss_diff"] <= bench.EXACT_TOL and activations["grad_diff"] <= bench.EXACT_TOL
+    assert numbers["targets"][0]["ok"]
+    assert numbers["lines"] == result.stdout.splitlines()
