@@ -24,7 +24,7 @@ from tools import bench_memory as bench
 TOOL = Path(bench.__file__)
 TINY = ["--length", "512", "--state-length", "256", "--samples", "16", "--hidden", "64", "--intermediate", "128",
         "--layers", "2", "--heads", "4", "--kv-heads", "2", "--vision-hidden", "32", "--vision-intermediate", "64",
-        "--vision-layers", "2", "--vision-heads", "2"]
+        "--vision-layers", "2", "--vision-heads", "2", "--repeats", "1"]
 
 
 def test_fp32_adamw_state_after_a_step_is_four_times_the_trainable_bytes():

@@ -34,7 +34,7 @@ Targets, each printed with its measured value and OK/MISS:
 
     python tools/bench_memory.py [--length 4096] [--state-length 512] [--samples 64] [--hidden 768]
         [--intermediate 2560] [--layers 12] [--heads 12] [--kv-heads 4] [--vision-hidden 384]
-        [--vision-intermediate 1536] [--vision-layers 4] [--vision-heads 6] [--repeats 1] [--threads 1]
+        [--vision-intermediate 1536] [--vision-layers 4] [--vision-heads 6] [--repeats 2] [--threads 1]
         [--workdir DIR] [--json PATH]
 
 ``main(argv)`` returns what it printed as a dict; the numbers come from functions returning data
@@ -317,7 +317,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                           ("vision-hidden", 384), ("vision-intermediate", 1536), ("vision-layers", 4),
                           ("vision-heads", 6)):
         parser.add_argument(f"--{name}", type=int, default=default, help=f"model size: {name}")
-    parser.add_argument("--repeats", type=int, default=1, help="timed steps per mode; the fastest counts")
+    parser.add_argument("--repeats", type=int, default=2, help="timed steps per mode; the fastest counts")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads in every process")
     parser.add_argument("--seed", type=int, default=0, help="weights and the demo plan")
     parser.add_argument("--workdir", type=Path, help="demo data and rank outputs (default: a temporary directory)")
