@@ -40,10 +40,10 @@ def uncovered_blocks(model) -> list[str]:
                   if counts[name] > 1 and name not in layers)
 
 
-def enable_activation_checkpointing(model) -> dict[str, int]:
-    """Recompute every decoder layer and vision block of ``model`` in backward (non-reentrant); returns the
-    recomputed layer classes and their counts. A model with a repeated block transformers cannot recompute is
-    refused with one line (``ConfigError``) rather than half checkpointed."""
+def enable_activation_checkpointing(model):
+    """Recompute every decoder layer and vision block of ``model`` in backward (non-reentrant); returns the model.
+    A model with a repeated block transformers cannot recompute is refused with one line (``ConfigError``) rather
+    than half checkpointed."""
     inner = unwrap_model(model)
     missing = uncovered_blocks(inner)
     if not inner.supports_gradient_checkpointing or not checkpointing_layers(inner) or missing:
@@ -51,7 +51,7 @@ def enable_activation_checkpointing(model) -> dict[str, int]:
         raise ConfigError(f"train.activation_checkpointing=true: {type(inner).__name__} cannot recompute its layers "
                           f"({why} transformers GradientCheckpointingLayers)")
     inner.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    return dict(Counter(type(m).__name__ for m in checkpointing_layers(inner) if m.gradient_checkpointing))
+    return model
 
 
 def recomputes(layer: torch.nn.Module) -> bool:
