@@ -9,6 +9,7 @@ box and NCCL on a GPU box, with no extra environment variable.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 
@@ -41,8 +42,11 @@ def build_accelerator(mixed_precision: str, sharding: str = "none") -> Accelerat
 
 def end_processes() -> None:
     """Tear the process group down before the interpreter does: a gloo group left to interpreter finalisation
-    can abort the process (``terminate called without an active exception``) after a run that succeeded."""
+    can abort the process (``terminate called without an active exception``) after a run that succeeded. Whatever
+    still holds the group (a DDP reducer in a reference cycle) is collected first, while the group is registered,
+    so the group is destroyed here and not by a destructor at exit."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
+        gc.collect()
         torch.distributed.destroy_process_group()
 
 

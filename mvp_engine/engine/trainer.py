@@ -14,7 +14,6 @@ from collections import Counter
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
 
 import hydra
 import torch
@@ -396,20 +395,29 @@ def run_recipe(cfg: DictConfig, recipe: Recipe) -> dict:
     """Hydra entry body of every recipe: a bad config or bad data stops the run with one line on stderr naming the
     key or the record, exit status 1; the process group is torn down on every way out."""
     try:
-        return Trainer(with_demo_data(cfg), recipe).run()
-    except ConfigError as err:
-        _stop(f"config error: {err}")
-    except (MLLMRecordError, TooManyBadRecords) as err:  # while planning, or while decoding (all ranks at one step)
-        _stop(f"data error: {err}")
+        outcome = _run_or_stop_line(cfg, recipe)
+        if isinstance(outcome, dict):
+            return outcome
+        # printed before the process group goes down (``SystemExit(line)`` would print it only after: a launcher
+        # kills the other ranks as soon as one exits, so a slower rank's line would be lost)
+        print(outcome, file=sys.stderr, flush=True)
+        raise SystemExit(1)
     finally:
         end_processes()
 
 
-def _stop(line: str) -> NoReturn:
-    """Print the run's last line before the process group goes down (``SystemExit(line)`` would print it only
-    after: a launcher kills the other ranks as soon as one exits, so a slower rank's line would be lost)."""
-    print(line, file=sys.stderr, flush=True)
-    raise SystemExit(1) from None
+def _run_or_stop_line(cfg: DictConfig, recipe: Recipe) -> dict | str:
+    """The run's summary, or the one line a config or data error stops it with. The error is not re-raised: its
+    traceback holds the trainer and its DDP model, and a DDP reducer that outlives the process-group teardown is
+    destroyed at interpreter exit, where gloo's worker thread can deadlock on the GIL (seen: both ranks of a 2-rank
+    ``on_bad_record=error`` run hung in ``~ProcessGroupGloo``). Returning drops the traceback here, so
+    ``end_processes`` collects the model before the group goes."""
+    try:
+        return Trainer(with_demo_data(cfg), recipe).run()
+    except ConfigError as err:
+        return f"config error: {err}"
+    except (MLLMRecordError, TooManyBadRecords) as err:  # while planning, or while decoding (all ranks at one step)
+        return f"data error: {err}"
 
 
 def hydra_main(recipe: Recipe):

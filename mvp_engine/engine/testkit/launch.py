@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -34,8 +35,18 @@ def launch(recipe: str, run_dir: Path, overrides=(), nproc: int = 1, timeout: fl
            command: list[str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
     """Run a training to its end; ``check``: fail with its output unless it exited 0."""
     cmd = (command or train_command(recipe, nproc)) + run_overrides(run_dir, overrides)
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT,
-                            env={**os.environ, **LAUNCH_ENV})
+    # its own session: a launch that hangs is killed with every rank it started (killing torchrun alone would
+    # leave its ranks running after the test)
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT,
+                               env={**os.environ, **LAUNCH_ENV}, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        raise AssertionError(f"{' '.join(cmd)} did not finish in {timeout} s:\n{stdout[-3000:]}\n"
+                             f"{stderr[-6000:]}") from None
+    result = subprocess.CompletedProcess(cmd, process.returncode, stdout, stderr)
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {result.returncode}:\n{result.stdout[-3000:]}\n"
                              f"{result.stderr[-6000:]}")
