@@ -10,14 +10,10 @@ from .attention import (
     ensure_no_batch_fields,
     ensure_no_cache,
     ensure_position_rows,
-    flash_varlen_kwargs,
     flex_block_mask,
     is_block_mask,
-    row_segments,
-    segment_positions,
-    segment_run_ids,
+    layer_masks,
     sub_model_attention,
-    validate_segment_ids,
 )
 from .backends import (
     ATTENTION_BACKENDS,
@@ -45,6 +41,9 @@ from .linear_attention import (
     has_linear_attention,
     linear_attention_enabled,
 )
+from .mask_forms import SpanMasks, block_mask, dense_mask, packed_predicate, span_masks
+from .masks import Predicate, causal, same_block, same_segment, sliding_window
+from .segments import flash_varlen_kwargs, row_segments, segment_positions, segment_run_ids, validate_segment_ids
 from .unwrap import unwrap_model
 
 __all__ = [
@@ -54,8 +53,13 @@ __all__ = [
     "FLASH_BACKENDS",
     "FORBIDDEN_MODEL_KWARGS",
     "SDPA_VARLEN",
+    "Predicate",
+    "SpanMasks",
     "attention_mask_for",
     "block_causal_mask",
+    "block_mask",
+    "causal",
+    "dense_mask",
     "enable_linear_attention_packing",
     "ensure_linear_attention_boundaries",
     "check_media_placement",
@@ -71,15 +75,21 @@ __all__ = [
     "is_block_mask",
     "is_flash",
     "language_model_attn_implementation",
+    "layer_masks",
     "linear_attention_enabled",
     "media_owners",
     "packed_inputs",
     "packed_attention_kwargs",
+    "packed_predicate",
     "prepare_packed_inputs",
     "prepare_padded_inputs",
     "row_segments",
+    "same_block",
+    "same_segment",
     "segment_positions",
     "segment_run_ids",
+    "sliding_window",
+    "span_masks",
     "sub_model_attention",
     "takes_varlen_kwargs",
     "text_positions",

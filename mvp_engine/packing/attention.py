@@ -1,8 +1,8 @@
-"""Model-free attention helpers for packed batches: masks, flash varlen kwargs and contamination guards.
+"""Model-free attention helpers for packed batches: masks per backend and contamination guards.
 
-Everything derives from ``pack_segment_ids`` (B, L): segment index within the row, -1 for the trailing padding.
-A *run* is a maximal stretch of equal ids in a row; runs are what attention is confined to, so the padding run
-is its own block (it attends only to itself, causally, which also keeps every softmax row non-empty: no NaNs).
+Everything derives from ``pack_segment_ids`` (``segments.py``); masks are predicates (``masks.py``) emitted in each
+backend's form (``mask_forms.py``). The block-causal default confines attention to runs; the padding run is its own
+block (it attends only to itself, causally, which also keeps every softmax row non-empty: no NaNs).
 
 Facts about transformers 5.24 these helpers are built on (read from ``masking_utils.py``,
 ``modeling_flash_attention_utils.py``, ``integrations/sdpa_attention.py``):
@@ -37,116 +37,25 @@ import torch
 
 from mvp_engine.kit.mllm.data.collator import BATCH_ONLY_FIELDS
 
-from .backends import FLEX, takes_varlen_kwargs
+from .backends import FLEX, SDPA_VARLEN, takes_varlen_kwargs
+from .mask_forms import CAUSAL, SpanMasks, block_mask, dense_mask, span_masks
+from .masks import Predicate
 
 # The collator's batch-only fields: some a transformers model would consume with another meaning (cu_seqlens,
 # max_seqlen), the rest only the engine reads (bookkeeping, labels: the engine computes the loss from the logits).
 FORBIDDEN_MODEL_KWARGS = tuple(sorted(BATCH_ONLY_FIELDS))
 
 
-def validate_segment_ids(segment_ids: torch.Tensor) -> None:
-    """Refuse layouts the helpers do not support: not (B, L), ids below -1, or padding before a real token."""
-    if segment_ids.dim() != 2:
-        raise ValueError(f"pack_segment_ids must be (B, L), got shape {tuple(segment_ids.shape)}")
-    if segment_ids.numel() and int(segment_ids.min()) < -1:
-        raise ValueError("pack_segment_ids must be >= -1 (-1 marks padding)")
-    is_pad = segment_ids < 0
-    if bool((is_pad[:, :-1] & ~is_pad[:, 1:]).any()):
-        raise ValueError("pack_segment_ids: padding (-1) must form one trailing run per row")
-
-
-def segment_run_ids(segment_ids: torch.Tensor) -> torch.Tensor:
-    """(B, L) index of the run each token is in (0 at the start of every row)."""
-    change = torch.zeros_like(segment_ids, dtype=torch.long)
-    change[:, 1:] = (segment_ids[:, 1:] != segment_ids[:, :-1]).long()
-    return change.cumsum(-1)
-
-
-def segment_positions(segment_ids: torch.Tensor) -> torch.Tensor:
-    """(B, L) positions restarting at 0 at every run (the padding run gets one fresh run 0, 1, 2, ...)."""
-    runs = segment_run_ids(segment_ids)
-    index = torch.arange(segment_ids.shape[1], device=segment_ids.device).expand_as(runs)
-    is_start = torch.ones_like(segment_ids, dtype=torch.bool)
-    is_start[:, 1:] = runs[:, 1:] != runs[:, :-1]
-    starts = torch.where(is_start, index, torch.zeros_like(index)).cummax(-1).values
-    return index - starts
-
-
-def row_segments(segment_ids: torch.Tensor) -> list[list[tuple[int, int, int]]]:
-    """Per row, the ``(segment_id, start, end)`` of every run, padding included (id -1), in order."""
-    out = []
-    for row in segment_ids.tolist():
-        runs: list[tuple[int, int, int]] = []
-        for i, seg in enumerate(row):
-            if runs and runs[-1][0] == seg:
-                runs[-1] = (seg, runs[-1][1], i + 1)
-            else:
-                runs.append((seg, i, i + 1))
-        out.append(runs)
-    return out
-
-
 def block_causal_mask(segment_ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """(B, 1, L, L) block-causal mask: query q sees key k iff k <= q and both are in the same run.
-
-    ``dtype=None`` gives bool (True = attend), the form transformers builds for sdpa; a floating ``dtype`` gives
-    the additive form eager needs (0 where attended, ``finfo(dtype).min`` elsewhere).
-    """
-    validate_segment_ids(segment_ids)
-    runs = segment_run_ids(segment_ids)
-    length = segment_ids.shape[1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=segment_ids.device).tril()
-    allowed = (runs[:, :, None] == runs[:, None, :]) & causal
-    allowed = allowed[:, None]
-    if dtype is None:
-        return allowed
-    zero = torch.zeros((), dtype=dtype, device=segment_ids.device)
-    return torch.where(allowed, zero, torch.finfo(dtype).min)
+    """(B, 1, L, L) block-causal mask: query q sees key k iff k <= q and both are in the same run (bool for
+    ``dtype=None``, additive for a floating ``dtype``; :func:`~.mask_forms.dense_mask` of ``causal()``)."""
+    return dense_mask(segment_ids, CAUSAL, dtype)
 
 
 def flex_block_mask(segment_ids: torch.Tensor, block_size: int = 128):
-    """A flex-attention ``BlockMask`` (B, 1, L, L) with exactly :func:`block_causal_mask`'s pattern: query q sees key
-    k iff k <= q and both are in the same run (the padding run sees only itself, so no row is fully masked).
-
-    Built straight from the run boundaries at block granularity, never through an L x L tensor: uncompiled
-    ``create_block_mask`` evaluates the mask function on every (q, k) pair (B x L x L; +10 GiB at L = 32 k), while
-    here a block pair's fate follows from the runs at its two ends (runs only grow along a row): it is skipped when
-    its query and key runs do not overlap or it lies above the diagonal, *full* (no mask function applied) when
-    both blocks lie inside one run below the diagonal, and *partial* otherwise. Cost: (L / block_size)^2 per row.
-    """
-    from torch.nn.attention.flex_attention import BlockMask
-
-    validate_segment_ids(segment_ids)
-    runs = segment_run_ids(segment_ids)
-    batch, length = segment_ids.shape
-    device = segment_ids.device
-    blocks = -(-length // block_size)
-    starts = torch.arange(blocks, device=device) * block_size
-    ends = (starts + block_size).clamp(max=length) - 1
-    first, last = runs[:, starts], runs[:, ends]  # (B, blocks): runs at each block's first and last token
-    q_first, q_last, k_first, k_last = first[:, :, None], last[:, :, None], first[:, None, :], last[:, None, :]
-    index = torch.arange(blocks, device=device)
-    below = index[None, :, None] > index[None, None, :]
-    whole = ((ends - starts + 1) == block_size)  # a block cut by the row's end is never full
-    overlap = (torch.maximum(q_first, k_first) <= torch.minimum(q_last, k_last)) & (below | torch.eye(
-        blocks, dtype=torch.bool, device=device))
-    full = overlap & below & (q_first == q_last) & (k_first == k_last) & (q_first == k_first) \
-        & whole[None, :, None] & whole[None, None, :]
-    partial = overlap & ~full
-
-    def as_kv_blocks(selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per query block: how many key blocks are selected, and their indices first (stable order)."""
-        counts = selected.sum(-1, dtype=torch.int32)
-        order = torch.argsort((~selected).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-        return counts[:, None], order[:, None]
-
-    def same_run_causal(b, h, q_idx, kv_idx):
-        return (runs[b, q_idx] == runs[b, kv_idx]) & (kv_idx <= q_idx)
-
-    kv_num, kv_indices = as_kv_blocks(partial)
-    full_num, full_indices = as_kv_blocks(full)
-    return BlockMask.from_kv_blocks(kv_num, kv_indices, full_num, full_indices, BLOCK_SIZE=block_size,
-                                    mask_mod=same_run_causal, seq_lengths=(length, length))
+    """A flex-attention ``BlockMask`` with exactly :func:`block_causal_mask`'s pattern, built at block granularity
+    (:func:`~.mask_forms.block_mask` of ``causal()``; the padding run sees only itself, so no row is fully masked)."""
+    return block_mask(segment_ids, CAUSAL, block_size)
 
 
 def is_block_mask(mask: Any) -> bool:
@@ -157,36 +66,28 @@ def is_block_mask(mask: Any) -> bool:
     return isinstance(mask, BlockMask)
 
 
-def attention_mask_for(segment_ids: torch.Tensor, attn_implementation: str, dtype: torch.dtype):
-    """The explicit block-causal mask in the form ``attn_implementation`` consumes: eager an additive float 4-D
-    tensor, sdpa a bool 4-D tensor, flex_attention a ``BlockMask``."""
+def attention_mask_for(segment_ids: torch.Tensor, attn_implementation: str, dtype: torch.dtype,
+                       predicate: Predicate = CAUSAL):
+    """The mask of ``predicate`` (block-causal by default) in the form ``attn_implementation`` consumes: eager an
+    additive float 4-D tensor, sdpa a bool 4-D tensor, flex_attention a ``BlockMask``, sdpa_varlen ``SpanMasks``."""
     if attn_implementation == "eager":
-        return block_causal_mask(segment_ids, dtype=dtype)
+        return dense_mask(segment_ids, predicate, dtype)
     if attn_implementation == "sdpa":
-        return block_causal_mask(segment_ids)
+        return dense_mask(segment_ids, predicate)
     if attn_implementation == FLEX:
-        return flex_block_mask(segment_ids)
-    raise ValueError(f"no explicit mask for attn_implementation={attn_implementation!r} (eager, sdpa or "
-                     f"{FLEX} only; flash packs through cu_seq_lens)")
+        return block_mask(segment_ids, predicate)
+    if attn_implementation == SDPA_VARLEN:
+        return span_masks(segment_ids, predicate)
+    raise ValueError(f"no explicit mask for attn_implementation={attn_implementation!r} (eager, sdpa, "
+                     f"{SDPA_VARLEN} or {FLEX} only; flash packs through cu_seq_lens)")
 
 
-def flash_varlen_kwargs(segment_ids: torch.Tensor) -> dict[str, Any]:
-    """``cu_seq_lens_q/k`` (int32) and ``max_length_q/k`` (int) over the flattened (B*L) tokens, one sequence per
-    run (each row's padding run included), for transformers' flash-attention varlen path."""
-    validate_segment_ids(segment_ids)
-    batch, length = segment_ids.shape
-    is_start = torch.ones_like(segment_ids, dtype=torch.bool)
-    is_start[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
-    starts = is_start.reshape(-1).nonzero().view(-1)
-    total = torch.tensor([batch * length], device=segment_ids.device)
-    cu_seq_lens = torch.cat([starts, total]).to(torch.int32)
-    max_length = int(cu_seq_lens.diff().max()) if cu_seq_lens.numel() > 1 else 0
-    return {
-        "cu_seq_lens_q": cu_seq_lens,
-        "cu_seq_lens_k": cu_seq_lens,
-        "max_length_q": max_length,
-        "max_length_k": max_length,
-    }
+def layer_masks(segment_ids: torch.Tensor, predicates: Mapping[str, Predicate], attn_implementation: str,
+                dtype: torch.dtype) -> dict[str, Any]:
+    """One mask per layer type (``{"full_attention": ..., "sliding_attention": ...}``), the prepared dict hybrid
+    models (Gemma 3 / 4) take as ``attention_mask`` and then build no mask of their own."""
+    return {layer_type: attention_mask_for(segment_ids, attn_implementation, dtype, predicate)
+            for layer_type, predicate in predicates.items()}
 
 
 def sub_model_attention(attn_implementation: str, vision_shares: tuple[str, ...] = ("eager", "sdpa")) -> dict[str, str]:
@@ -234,8 +135,17 @@ def ensure_position_rows(position_ids: torch.Tensor | None, rows: int | None) ->
 def ensure_mask_fits(attention_mask, attn_implementation: str) -> None:
     """Packing forbids a 2-D ``attention_mask`` (an all-ones one disables packed detection; any one makes flash
     ignore ``cu_seq_lens``); eager needs its 4-D mask additive, not bool; flex_attention needs a ``BlockMask`` and
-    nothing else takes one."""
+    nothing else takes one; ``SpanMasks`` are sdpa_varlen's alone. A per-layer-type dict is checked mask by mask."""
     if attention_mask is None:
+        return
+    if isinstance(attention_mask, Mapping):
+        for mask in attention_mask.values():
+            ensure_mask_fits(mask, attn_implementation)
+        return
+    if isinstance(attention_mask, SpanMasks):
+        if attn_implementation != SDPA_VARLEN:
+            raise ValueError(f"SpanMasks are read by {SDPA_VARLEN} only, got attn_implementation="
+                             f"{attn_implementation!r}")
         return
     if is_block_mask(attention_mask) != (attn_implementation == FLEX):
         raise ValueError(

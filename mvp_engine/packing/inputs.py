@@ -23,16 +23,10 @@ import torch
 
 from mvp_engine.kit.mllm.data.media import IMAGES, MediaKind
 
-from .attention import (
-    attention_mask_for,
-    check_packed_model_kwargs,
-    ensure_no_batch_fields,
-    flash_varlen_kwargs,
-    segment_positions,
-    validate_segment_ids,
-)
+from .attention import attention_mask_for, check_packed_model_kwargs, ensure_no_batch_fields
 from .backends import ATTENTION_BACKENDS, takes_varlen_kwargs
 from .linear_attention import BOUNDARIES, ensure_linear_attention_boundaries, has_linear_attention
+from .segments import flash_varlen_kwargs, segment_positions, validate_segment_ids
 from .unwrap import unwrap_model
 
 

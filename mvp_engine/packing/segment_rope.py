@@ -21,8 +21,8 @@ import torch
 
 from mvp_engine.kit.mllm.data.media import MediaKind
 
-from .attention import row_segments
 from .inputs import check_media_placement, text_positions
+from .segments import row_segments
 from .unwrap import unwrap_model
 
 POSITION_ROWS = 4  # the text row, then the three rotary rows

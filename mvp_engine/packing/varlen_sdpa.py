@@ -6,6 +6,8 @@ need CUDA. This backend takes the same kwargs as flash (``cu_seq_lens_q/k`` over
 ``attention_mask``) and runs causal torch sdpa on each span. It is registered with transformers'
 ``AttentionInterface`` (and flash's mask function, so no dense mask is ever built) when this package is imported;
 ``build_model(..., "sdpa_varlen")`` then selects it like any built-in backend. Measured in ``tools/bench_train.py``.
+A mask more than causal (bidirectional blocks, a sliding window) comes as ``SpanMasks`` in ``attention_mask``, one
+small mask per span (``mask_forms.span_masks``); spans without one keep the fused causal path.
 
 Without ``cu_seq_lens`` (the unpacked baseline) each row is one span, cut at the end of its 2-D padding mask
 (right padding, as the collator produces).
@@ -19,6 +21,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
 
 from .backends import SDPA_VARLEN
+from .mask_forms import SpanMasks
 
 
 def _spans_from_padding_mask(attention_mask: torch.Tensor | None, batch: int, length: int) -> list[tuple[int, int]]:
@@ -41,8 +44,17 @@ def _spans_from_padding_mask(attention_mask: torch.Tensor | None, batch: int, le
 
 def sdpa_varlen_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                           is_causal=None, cu_seq_lens_q=None, cu_seq_lens_k=None, **kwargs):
-    """Causal sdpa inside each span of the flattened (B*L) tokens; returns (B, L, H, D) like transformers' kernels."""
+    """Causal sdpa inside each span of the flattened (B*L) tokens; returns (B, L, H, D) like transformers' kernels.
+    ``attention_mask`` may be ``SpanMasks``: its spans, each with its own mask (None: plain causal)."""
     batch, heads, length, dim = query.shape
+    span_mask_list = None
+    if isinstance(attention_mask, SpanMasks):
+        if cu_seq_lens_q is not None and not torch.equal(cu_seq_lens_q.cpu(), attention_mask.cu_seq_lens.cpu()):
+            raise ValueError(f"{SDPA_VARLEN}: cu_seq_lens_q disagree with the SpanMasks' spans")
+        cu_seq_lens_q, span_mask_list = attention_mask.cu_seq_lens, attention_mask.masks
+    elif kwargs.get("sliding_window") is not None:
+        raise ValueError(f"{SDPA_VARLEN} got sliding_window={kwargs['sliding_window']} but no SpanMasks: plain causal "
+                         "spans would drop the window (pass span_masks(..., sliding_window(w) & ...))")
     if cu_seq_lens_q is None:
         spans = _spans_from_padding_mask(attention_mask, batch, length)
     else:
@@ -56,19 +68,21 @@ def sdpa_varlen_attention(module, query, key, value, attention_mask, dropout: fl
     q, k, v = (t.transpose(0, 1).reshape(t.shape[1], batch * length, dim) for t in (query, key, value))
     causal = bool(module.is_causal if is_causal is None else is_causal)
     sizes = [b - a for a, b in spans]
+    masks = span_mask_list or (None,) * len(spans)
     # one split per tensor: slicing each span out separately makes every slice's backward fill a zero tensor of the
     # whole row (work ~ spans x L, i.e. L^2; 7.7 s of a 27.5 s step at 32 k, measured by tools/bench_long.py)
     pieces = [torch.split(t, sizes, dim=1) for t in (q, k, v)]
-    by_length: dict[int, list[int]] = {}
-    for index, n in enumerate(sizes):
-        by_length.setdefault(n, []).append(index)
+    groups: dict[object, list[int]] = {}
+    for index, (n, mask) in enumerate(zip(sizes, masks)):
+        groups.setdefault(n if mask is None else ("masked", index), []).append(index)  # a masked span runs alone
     outputs: list[torch.Tensor | None] = [None] * len(spans)
-    for indices in by_length.values():
+    for indices in groups.values():
         # spans as 4-D (G, H, n, D): torch picks its fused kernels only for 4-D inputs (3-D falls back to the math
         # kernel: 7.5x slower and +3 GiB on one 8 k span, measured), and equal-length spans share one call
         qs, ks, vs = (torch.stack([parts[i] for i in indices]) for parts in pieces)
-        out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=scaling, dropout_p=dropout,
-                                             enable_gqa=ks.shape[1] != qs.shape[1])
+        mask = masks[indices[0]]
+        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal and mask is None,
+                                             scale=scaling, dropout_p=dropout, enable_gqa=ks.shape[1] != qs.shape[1])
         for i, part in zip(indices, out.unbind(0)):
             outputs[i] = part
     out = torch.cat(outputs, dim=1)
