@@ -59,7 +59,7 @@ from torch.nn.parallel import DistributedDataParallel
 from mvp_engine.engine.config import RunSpecs, TrainSpec, resolve_run_specs
 from mvp_engine.engine.demo import with_demo_data
 from mvp_engine.engine.loss import weighted_token_loss
-from mvp_engine.engine.participation import forward_with_media_pass, freeze_parameters, has_media
+from mvp_engine.engine.participation import dummy_passes, forward_with_media_pass, freeze_parameters, media_kinds
 from mvp_engine.engine.recipe import Recipe
 from mvp_engine.engine.recompute import SavedForBackward, enable_activation_checkpointing
 from mvp_engine.engine.run_data import build_run_dataset
@@ -150,7 +150,7 @@ def packed_loss(recipe: Recipe, model, batch: dict, attention: str) -> torch.Ten
     """prepare_packed + forward + token-mean loss, with the trainer's zero-weighted dummy media pass on a batch
     without media (``forward_with_media_pass``)."""
     outputs, dummy = forward_with_media_pass(model, recipe.prepare_packed(batch, model, attention),
-                                             None if has_media(batch) else recipe.dummy_media(model))
+                                             recipe.dummy_media(model), dummy_passes(batch, media_kinds(model)))
     part = weighted_token_loss(outputs.logits, batch["labels"], batch["pack_segment_ids"], "token")
     loss = part.weighted_sum / part.weight_total
     return loss if dummy is None else loss + dummy

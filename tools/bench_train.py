@@ -75,7 +75,7 @@ from transformers.trainer_pt_utils import get_length_grouped_indices
 from mvp_engine.engine.config import AUTO_ATTENTION, RunSpecs, resolve_attention, resolve_run_specs
 from mvp_engine.engine.demo import with_demo_data
 from mvp_engine.engine.launch import build_accelerator
-from mvp_engine.engine.participation import freeze_parameters
+from mvp_engine.engine.participation import freeze_parameters, media_kinds
 from mvp_engine.engine.plan_report import micro_batches, rank_rows
 from mvp_engine.engine.recipe import Recipe
 from mvp_engine.engine.run_data import build_run_dataset
@@ -293,7 +293,7 @@ def run_epoch(harness: Harness, mode: Mode, batches: list[list[list[int]]]) -> d
     recipe, train = harness.recipe, harness.specs.train
     optimizer, scheduler = optimizer_and_schedule(model, train, len(batches))
     step = TrainStep(harness.accelerator, recipe.prepare_packed if mode.packed_call else recipe.prepare_padded,
-                     mode.attention, harness.dummy_media, train)
+                     mode.attention, harness.dummy_media, train, media_kinds(model))
     seconds, effective, slots, trained = 0.0, 0, 0, 0
     for rows in batches:
         batch = collate(harness, mode, rows)

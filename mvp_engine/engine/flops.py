@@ -265,9 +265,10 @@ class BatchFlops:
 
 
 def batch_flops(profile: CostProfile, batch: Mapping, attention: str, dummy_media: Mapping | None = None,
-                packed: bool = True) -> BatchFlops:
+                packed: bool = True, dummy_passes: int | None = None) -> BatchFlops:
     """Useful and executed forward + backward FLOPs of one collated micro-batch on ``attention`` (``packed=False``:
-    the padded baseline, whose linear-attention layers run over whole rows)."""
+    the padded baseline, whose linear-attention layers run over whole rows), with ``dummy_passes`` passes of
+    ``dummy_media`` executed (None: one when the micro-batch has no media)."""
     segment_ids = batch["pack_segment_ids"]
     rows, width = segment_ids.shape
     spans = _row_spans(segment_ids)
@@ -278,7 +279,9 @@ def batch_flops(profile: CostProfile, batch: Mapping, attention: str, dummy_medi
     chunked = chunked_tokens(spans if packed else [[(width, True)]] * rows, profile.linear_chunk)
     pairs = attention_pairs(packed_inputs(attention), spans, width)
     executed = media + WorkUnits(lm_tokens=rows * width, lm_pairs=pairs, lm_linear_tokens=chunked)
-    if dummy_media is not None and not int(batch["media_tokens"].sum()):
+    if dummy_passes is None:
+        dummy_passes = 0 if int(batch["media_tokens"].sum()) else 1
+    for _ in range(dummy_passes if dummy_media is not None else 0):
         executed = executed + _media_units(profile, dummy_media)
     return BatchFlops(profile.flops(useful), profile.flops(executed), useful, executed)
 

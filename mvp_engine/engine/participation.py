@@ -7,11 +7,12 @@ AdamW skips a parameter whose gradient is None but applies momentum and weight d
 
 - Parameters no forward can reach (LLaVA's vision layers after ``vision_feature_layer``) are frozen at build time,
   named by the recipe's ``unreachable_parameters`` hook, and so are those matching ``model.freeze``.
-- A micro-batch without media adds a zero-weighted pass of the media encoder over the recipe's tiny dummy input
-  (``dummy_media``), as InternVL and LLaMA-Factory do: the media parameters get an exact zero gradient, on one rank
-  as on N, and the loss and every other gradient are unchanged. It runs where a real image's encoder pass runs, at
-  the start of the model's forward (:func:`forward_with_media_pass`), so a rank without media runs the same
-  collectives in the same order as a rank with media (FSDP2 gathers each vision block when it is called).
+- A micro-batch without media of a kind the model takes adds a zero-weighted pass of the media encoder over the
+  recipe's tiny dummy input (``dummy_media``) per missing kind, as InternVL and LLaMA-Factory do: the media
+  parameters get an exact zero gradient, on one rank as on N, and the loss and every other gradient are unchanged.
+  It runs where a real image's encoder pass runs, at the start of the model's forward
+  (:func:`forward_with_media_pass`), so every rank runs the encoder as many times, in the same order, whatever
+  media its micro-batch holds (FSDP2 gathers each vision block when it is called).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from fnmatch import fnmatch
 
 import torch
 
+from mvp_engine.kit.mllm.data.media import IMAGES, VIDEOS, MediaKind
 from mvp_engine.packing import unwrap_model
 
 from .config import ConfigError
@@ -84,6 +86,20 @@ def has_media(batch: dict) -> bool:
     return int(batch["media_tokens"].sum()) > 0
 
 
+def media_kinds(model) -> tuple[MediaKind, ...]:
+    """The media kinds the model's forward encodes, one encoder pass each: images, and videos where it has
+    ``get_video_features``."""
+    return (IMAGES, VIDEOS) if hasattr(unwrap_model(model), "get_video_features") else (IMAGES,)
+
+
+def dummy_passes(batch: dict, kinds: tuple[MediaKind, ...]) -> int:
+    """Dummy media passes a micro-batch needs: one per media kind it holds none of. A forward runs the encoder once
+    per kind present, so with these every micro-batch on every rank runs it ``len(kinds)`` times: the same
+    collectives under FSDP2 (an image-only rank beside an image-and-video rank would otherwise gather the vision
+    blocks once where the other gathers them twice), and every media parameter in every backward."""
+    return sum(1 for kind in kinds if batch.get(kind.patch_key) is None or not batch[kind.patch_key].numel())
+
+
 def _tensors(value):
     if isinstance(value, torch.Tensor):
         yield value
@@ -112,20 +128,20 @@ def dummy_media_loss(model, dummy_inputs: dict) -> torch.Tensor:
     return total * 0.0
 
 
-def forward_with_media_pass(model, kwargs: Mapping, dummy_inputs: dict | None):
-    """``model(**kwargs)`` and, when ``dummy_inputs`` is given (a micro-batch without media), the dummy media pass's
-    zero loss (else None).
+def forward_with_media_pass(model, kwargs: Mapping, dummy_inputs: dict, passes: int):
+    """``model(**kwargs)`` and, when ``passes`` (:func:`dummy_passes`) is not 0, the zero loss of that many dummy
+    media passes (else None).
 
     The pass is a forward pre-hook of the transformers model, so it runs inside the forward of any wrapper (DDP,
     FSDP2) and before the language model, as a real image's encoder pass does: FSDP2's own pre-hook (registered
     first, with ``prepend``) has gathered the root's parameters, and the vision blocks are gathered in the same
     order on every rank, before the decoder layers, whether the rank's micro-batch has media or not.
     """
-    if dummy_inputs is None:
+    if not passes:
         return model(**kwargs), None
     losses = []
     hook = unwrap_model(model).register_forward_pre_hook(
-        lambda module, args: losses.append(dummy_media_loss(module, dummy_inputs)))
+        lambda module, args: losses.append(sum(dummy_media_loss(module, dummy_inputs) for _ in range(passes))))
     try:
         outputs = model(**kwargs)
     finally:

@@ -14,9 +14,11 @@ from accelerate import Accelerator
 from accelerate.utils import send_to_device
 from transformers import get_scheduler
 
+from mvp_engine.kit.mllm.data.media import IMAGES, MediaKind
+
 from .config import TrainSpec
 from .loss import token_weights, weighted_token_loss
-from .participation import forward_with_media_pass, has_media
+from .participation import dummy_passes, forward_with_media_pass
 from .sharding import clip_grad_norm_, is_sharded
 
 
@@ -32,14 +34,16 @@ def optimizer_and_schedule(model, train: TrainSpec, total_steps: int):
 
 @dataclass(frozen=True)
 class TrainStep:
-    """The step of one run: how its batches become model kwargs (``prepare``, ``attention``), the dummy media pass
-    of a micro-batch without media, and the ``train`` settings it reduces and clips with."""
+    """The step of one run: how its batches become model kwargs (``prepare``, ``attention``), the dummy media passes
+    of a micro-batch missing some of the model's ``media_kinds``, and the ``train`` settings it reduces and clips
+    with."""
 
     accelerator: Accelerator
     prepare: Callable[[dict, object, str], dict]
     attention: str
     dummy_media: dict
     train: TrainSpec
+    media_kinds: tuple[MediaKind, ...] = (IMAGES,)
 
     def __call__(self, group: list[dict], model, optimizer,
                  scheduler) -> tuple[float, float, tuple[float, float] | None]:
@@ -70,7 +74,7 @@ class TrainStep:
             context = accelerator.no_sync(model) if not sync else nullcontext()
             with context:
                 outputs, dummy = forward_with_media_pass(model, self.prepare(batch, model, self.attention),
-                                                         None if has_media(batch) else self.dummy_media)
+                                                         self.dummy_media, dummy_passes(batch, self.media_kinds))
                 part = weighted_token_loss(outputs.logits, batch["labels"], batch["pack_segment_ids"], reduction)
                 loss = part.weighted_sum / denominator * accelerator.num_processes
                 if dummy is not None:

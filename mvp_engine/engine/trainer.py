@@ -38,7 +38,7 @@ from .config import CONF_DIR, ConfigError, RunSpecs, resolve_run_specs
 from .demo import with_demo_data
 from .flops import batch_flops, device_peak_tflops, recipe_cost_profile
 from .launch import build_accelerator, describe_processes, end_processes
-from .participation import freeze_parameters
+from .participation import dummy_passes, freeze_parameters, media_kinds
 from .preemption import PreemptionWatch, ignore_stop_signals
 from .recipe import Recipe
 from .recompute import enable_activation_checkpointing
@@ -142,8 +142,9 @@ class Trainer:
         self.bad_records = self.dataset.bad_records
         self.collator = MLLMCollator(recipe.pad_token_id(self.processor), train.pad_to_multiple_of)
         self.packed = self.specs.data.packing is not None
+        self.media_kinds = media_kinds(self.model)
         self.train_step = TrainStep(self.accelerator, recipe.prepare_packed if self.packed else recipe.prepare_padded,
-                                    self.specs.attention, self.dummy_media, train)
+                                    self.specs.attention, self.dummy_media, train, self.media_kinds)
         self.total_steps = self.dataset.estimate_total_steps(train.epochs, train.micro_batch_size,
                                                              train.gradient_accumulation_steps)
 
@@ -319,7 +320,8 @@ class Trainer:
     def _step_counts(self, group: list[dict]) -> TokenAccounting:
         """The step's token accounting and FLOPs (``flops.batch_flops``), summed over every rank."""
         local = sum((TokenAccounting.from_batch(b) for b in group), TokenAccounting())
-        flops = [batch_flops(self.cost_profile, b, self.specs.attention, self.dummy_media, self.packed) for b in group]
+        flops = [batch_flops(self.cost_profile, b, self.specs.attention, self.dummy_media, self.packed,
+                             dummy_passes(b, self.media_kinds)) for b in group]
         local.model_flops, local.executed_flops = sum(c.useful for c in flops), sum(c.executed for c in flops)
         return TokenAccounting.from_tensor(self.accelerator.reduce(local.as_tensor().to(self.accelerator.device),
                                                                    reduction="sum").cpu())
