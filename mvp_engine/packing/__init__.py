@@ -35,6 +35,7 @@ from .inputs import (
     prepare_padded_inputs,
     text_positions,
 )
+from .layer_types import FULL, LAYER_TYPES, SLIDING, batch_type_blocks, has_layer_types, layer_predicates, type_blocks
 from .linear_attention import (
     enable_linear_attention_packing,
     ensure_linear_attention_boundaries,
@@ -47,6 +48,13 @@ from .segments import flash_varlen_kwargs, row_segments, segment_positions, segm
 from .unwrap import unwrap_model
 
 __all__ = [
+    "FULL",
+    "LAYER_TYPES",
+    "SLIDING",
+    "batch_type_blocks",
+    "has_layer_types",
+    "layer_predicates",
+    "type_blocks",
     "ATTENTION_BACKENDS",
     "AttentionBackend",
     "BACKENDS",

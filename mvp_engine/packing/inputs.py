@@ -23,9 +23,11 @@ import torch
 
 from mvp_engine.kit.mllm.data.media import IMAGES, MediaKind
 
-from .attention import attention_mask_for, check_packed_model_kwargs, ensure_no_batch_fields
-from .backends import ATTENTION_BACKENDS, takes_varlen_kwargs
+from .attention import attention_mask_for, check_packed_model_kwargs, ensure_no_batch_fields, layer_masks
+from .backends import ATTENTION_BACKENDS, SDPA_VARLEN, takes_varlen_kwargs
+from .layer_types import LAYER_TYPES, has_layer_types, layer_predicates
 from .linear_attention import BOUNDARIES, ensure_linear_attention_boundaries, has_linear_attention
+from .masks import Predicate
 from .segments import flash_varlen_kwargs, segment_positions, validate_segment_ids
 from .unwrap import unwrap_model
 
@@ -95,11 +97,20 @@ def check_media_placement(batch: Mapping[str, Any], placeholder: torch.Tensor,
 
 
 def packed_attention_kwargs(batch: Mapping[str, Any], attn_implementation: str, dtype: torch.dtype,
-                            boundaries: bool = False) -> dict:
+                            boundaries: bool = False, predicates: Mapping[str, Predicate] | None = None) -> dict:
     """The backend's attention inputs for a packed batch, all derived from ``pack_segment_ids``. ``boundaries``:
     also the samples' ``cu_seq_lens_q`` next to an eager/sdpa/flex mask (a hybrid model's linear-attention layers
-    read them while its full-attention layers read the mask; flash and sdpa_varlen carry them anyway)."""
+    read them while its full-attention layers read the mask; flash and sdpa_varlen carry them anyway).
+    ``predicates``: one mask per layer type instead (``layer_types.layer_predicates``), as the prepared dict;
+    sdpa_varlen gets it as ``SpanMasks`` next to its varlen kwargs, flash cannot take it."""
     segment_ids = batch["pack_segment_ids"]
+    if predicates is not None:
+        if takes_varlen_kwargs(attn_implementation) and attn_implementation != SDPA_VARLEN:
+            raise ValueError(f"{attn_implementation} cannot take this model's per-layer masks (sliding window, "
+                             f"bidirectional blocks): use {SDPA_VARLEN}, sdpa, eager or flex_attention")
+        masks = {"attention_mask": layer_masks(segment_ids, predicates, attn_implementation, dtype)}
+        extra = boundaries or attn_implementation == SDPA_VARLEN
+        return {**flash_varlen_kwargs(segment_ids), **masks} if extra else masks
     varlen = {}
     if boundaries or takes_varlen_kwargs(attn_implementation):
         varlen = flash_varlen_kwargs(segment_ids)
@@ -123,20 +134,28 @@ def prepare_packed_inputs(
     position_rows: int,
     media: Mapping[str, Any],
     supported: tuple[str, ...] = ATTENTION_BACKENDS,
+    block_ids: torch.Tensor | None = None,
+    block_layer_types: tuple[str, ...] = LAYER_TYPES,
 ) -> dict[str, Any]:
     """Model kwargs of a packed batch: ``input_ids``, the recipe's ``position_ids`` and ``media``, the backend's
     attention inputs and ``use_cache=False``, checked by every guard (``position_rows``: 1 for (B, L) positions,
-    4 for Qwen2-VL's (4, B, L))."""
+    4 for Qwen2-VL's (4, B, L)). A language model with sliding-window layers, or given ``block_ids`` (bidirectional
+    blocks on ``block_layer_types``, e.g. from ``layer_types.batch_type_blocks``), gets one mask per layer type,
+    the window read from its text config now."""
     model = unwrap_model(model)
     if attn_implementation not in supported:
         raise NotImplementedError(f"packed attention for {attn_implementation!r} is not offered: {list(supported)}")
     check_model_backend(model, attn_implementation)
+    text_config = model.config.get_text_config()
+    predicates = (layer_predicates(text_config, block_ids, block_layer_types)
+                  if block_ids is not None or has_layer_types(text_config) else None)
     kwargs: dict[str, Any] = {
         "input_ids": batch["input_ids"],
         "position_ids": position_ids,
         "use_cache": False,
         **media,
-        **packed_attention_kwargs(batch, attn_implementation, model.dtype, boundaries=has_linear_attention(model)),
+        **packed_attention_kwargs(batch, attn_implementation, model.dtype, boundaries=has_linear_attention(model),
+                                  predicates=predicates),
     }
     check_packed_model_kwargs(kwargs, attn_implementation, position_rows=position_rows)
     ensure_linear_attention_boundaries(model, kwargs)

@@ -20,7 +20,11 @@ implements the image hooks; a recipe that takes video also sets ``video_token`` 
 as its placeholder repeated (Qwen2-VL); a model that lays a video out as text and placeholder runs (Qwen3-VL: a
 timestamp and a ``<|vision_start|>...<|vision_end|>`` run per frame) sets ``video_part`` (what its chat template
 renders per video, replaced whole) and overrides ``video_text(info, tokens)``, which both ``encode`` and ``measure``
-call, so the text tokens it adds are counted exactly. The processor it is built from needs ``.tokenizer`` and
+call, so the text tokens it adds are counted exactly. Images likewise: a model whose processor writes more than the
+placeholder repeated (Gemma: ``<start_of_image>`` becomes ``\n\n<start_of_image>``, the soft tokens,
+``<end_of_image>\n\n``) sets ``image_part`` and overrides ``image_text(tokens)``. ``token_type_field`` (e.g.
+``token_type_ids``) makes ``encode`` emit that per-token field as transformers' ``create_mm_token_type_ids`` does:
+0 text, 1 image placeholder, 2 video placeholder. The processor it is built from needs ``.tokenizer`` and
 ``.token_id(token)``; its ``video_processor`` (if any) goes into the fingerprint by ``repr``.
 """
 
@@ -51,6 +55,8 @@ class ChatTemplateEncoder:
     image_token: str = "<image>"
     video_token: str | None = None  # the placeholder the chat template renders per video; None: no video
     video_part: str | None = None  # the template's text per video that ``video_text`` replaces; None: video_token
+    image_part: str | None = None  # the template's text per image that ``image_text`` replaces; None: image_token
+    token_type_field: str | None = None  # a per-token modality field to emit (``TOKEN_FIELD_PADS``); None: none
     measure_version: int = 2  # bump when ``measure`` counts differently: it invalidates every measure cache
     assistant_header: str = ""
     turn_end: str = ""
@@ -69,7 +75,7 @@ class ChatTemplateEncoder:
             self._placeholders.append(("video", self.video_token, self.video_token_id))
         self._placeholder_ids = torch.tensor([token_id for _, _, token_id in self._placeholders])
         # what the template renders per medium, replaced by the medium's text
-        self._parts = {self.image_token: "image"}
+        self._parts = {self.image_part or self.image_token: "image"}
         if self.video_token:
             self._parts[self.video_part or self.video_token] = "video"
         self._placeholder_split = re.compile("|".join(re.escape(part) for part in self._parts))
@@ -97,6 +103,11 @@ class ChatTemplateEncoder:
         """The token count ``encode_videos`` gives this video, computed from its metadata alone."""
         raise NotImplementedError
 
+    def image_text(self, tokens: int) -> str:
+        """The text that replaces one image's ``image_part``, holding exactly ``tokens`` placeholders; the default
+        is the placeholder ``tokens`` times."""
+        return self.image_token * tokens
+
     def video_text(self, info: VideoInfo, tokens: int) -> str:
         """The text that replaces one video's ``video_part`` in the rendered template, holding exactly ``tokens``
         placeholders (from ``encode_videos`` when encoding, ``video_token_count`` when measuring); the default is
@@ -118,7 +129,8 @@ class ChatTemplateEncoder:
             "encoder": f"{type(self).__module__}.{type(self).__qualname__}",
             "measure_version": self.measure_version,
             "layout": [self.image_token, self.video_token, self.assistant_header, self.turn_end,
-                       list(self.unsupervised_tokens), *([self.video_part] if self.video_part else [])],
+                       list(self.unsupervised_tokens), *([self.video_part] if self.video_part else []),
+                       *([self.image_part] if self.image_part else []), self.token_type_field],
             "settings": settings,
             "tokenizer": [type(tokenizer).__name__, backend.to_str() if backend is not None else
                           sorted(tokenizer.get_vocab().items()), tokenizer.chat_template,
@@ -146,6 +158,7 @@ class ChatTemplateEncoder:
             media_tokens=sum(image_counts) + sum(video_counts),
             media_end=self._media_end(input_ids),
             media_sq=self._media_sq(counts, videos),
+            token_fields=self._token_types(input_ids),
         )
 
     def measure(self, record: MLLMRecord) -> SampleMeta:
@@ -244,7 +257,7 @@ class ChatTemplateEncoder:
                 raise ValueError(f"template rendered more than the {len(counts[kind])} {kind}(s) counted")
             if kind == "video":
                 return self.video_text(videos[index], counts[kind][index])
-            return match.group(0) * counts[kind][index]
+            return self.image_text(counts[kind][index])
 
         return self._placeholder_split.sub(expand, text)
 
@@ -307,6 +320,15 @@ class ChatTemplateEncoder:
         """``SampleMeta.media_sq``: each image's tokens squared, each video's per attention group."""
         groups = [max(1, self.video_token_groups(info)) for info in videos]
         return sum(n * n for n in counts["image"]) + sum(n * n // g for n, g in zip(counts["video"], groups))
+
+    def _token_types(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``{token_type_field: 0 text / 1 image / 2 video}`` per token, or nothing without a ``token_type_field``."""
+        if not self.token_type_field:
+            return {}
+        types = torch.zeros_like(input_ids)
+        for kind, _, token_id in self._placeholders:
+            types[input_ids == token_id] = 1 if kind == "image" else 2
+        return {self.token_type_field: types}
 
     def _media_end(self, input_ids: torch.Tensor) -> int:
         positions = torch.isin(input_ids, self._placeholder_ids).nonzero()

@@ -9,19 +9,20 @@ import torch
 
 from .media import OWNER_KEYS, MLLMMediaHandler
 from .pack import TOKEN_FIELDS
-from .sample import IGNORE_INDEX
+from .sample import IGNORE_INDEX, TOKEN_FIELD_PADS
 
 # Fields of a batch that only the engine reads (segment ids and labels, bookkeeping, media owners, faults in
 # transit): never a model kwarg (``mvp_engine.packing`` refuses them), never media to merge.
 BATCH_ONLY_FIELDS = frozenset({"labels", "pack_segment_ids", "source_sample_num", "cu_seqlens", "max_seqlen",
                                "media_tokens", "sample_ids", "bad_records", *OWNER_KEYS})
-NON_MEDIA_FIELDS = set(TOKEN_FIELDS) | BATCH_ONLY_FIELDS
+NON_MEDIA_FIELDS = set(TOKEN_FIELDS) | set(TOKEN_FIELD_PADS) | BATCH_ONLY_FIELDS
 
 
 class MLLMCollator:
     """Pads each row to a common length: ``input_ids`` pad id, ``labels`` -100, ``pack_segment_ids`` -1,
-    ``position_ids`` one fresh run 0,1,2,... for the padding, and emits batch-level ``cu_seqlens`` over the
-    flattened rows in which each row's padding run is a segment of its own.
+    ``position_ids`` one fresh run 0,1,2,... for the padding, the per-token fields of ``TOKEN_FIELD_PADS`` any row
+    carries their inactive value (a row without the field: all of it), and emits batch-level ``cu_seqlens`` over
+    the flattened rows in which each row's padding run is a segment of its own.
     """
 
     def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None):
@@ -37,11 +38,14 @@ class MLLMCollator:
     def __call__(self, rows: Sequence[dict]) -> dict:
         width = self.padded_length(max(len(row["input_ids"]) for row in rows))
         fill = {"input_ids": self.pad_token_id, "labels": IGNORE_INDEX, "pack_segment_ids": -1}
+        fill.update((key, TOKEN_FIELD_PADS[key]) for key in sorted({k for row in rows for k in row
+                                                                     if k in TOKEN_FIELD_PADS}))
         batch: dict = {}
         for key, value in fill.items():
             out = torch.full((len(rows), width), value, dtype=torch.long)
             for b, row in enumerate(rows):
-                out[b, : len(row[key])] = row[key]
+                if key in row:
+                    out[b, : len(row[key])] = row[key]
             batch[key] = out
         positions = torch.arange(width).repeat(len(rows), 1)
         boundaries = [0]

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .media import MLLMMediaHandler
-from .sample import IGNORE_INDEX, MLLMSample
+from .sample import IGNORE_INDEX, TOKEN_FIELD_PADS, MLLMSample
 
 TOKEN_FIELDS = ("input_ids", "labels", "pack_segment_ids", "position_ids")
 
@@ -53,5 +53,14 @@ class MLLMPack:
             "media_tokens": sum(s.media_tokens for s in self.samples),
             "sample_ids": [s.sample_id for s in self.samples],
         }
+        inputs.update(self.token_fields())
         inputs.update(self.media_handler.merge_pack(self.samples))
         return inputs
+
+    def token_fields(self) -> dict[str, torch.Tensor]:
+        """Every ``token_fields`` entry any sample carries, concatenated; a sample without it gets the field's
+        inactive value (``TOKEN_FIELD_PADS``)."""
+        names = sorted({name for s in self.samples for name in s.token_fields})
+        return {name: torch.cat([s.token_fields[name].long() if name in s.token_fields
+                                 else torch.full((s.length,), TOKEN_FIELD_PADS[name], dtype=torch.long)
+                                 for s in self.samples]) for name in names}

@@ -9,6 +9,11 @@ import torch
 
 IGNORE_INDEX = -100
 
+# Per-token fields a model reads besides the ids (``MLLMSample.token_fields``), with the inactive value the pack
+# gives a sample that lacks one and the collator gives padding: 0 = text (``token_type_ids``: 1 on image soft
+# tokens; ``mm_token_type_ids``: 1 image, 2 video). A new field is one entry here.
+TOKEN_FIELD_PADS: dict[str, int] = {"token_type_ids": 0, "mm_token_type_ids": 0}
+
 
 @dataclass
 class MLLMRecord:
@@ -78,6 +83,8 @@ class MLLMSample:
 
     ``media`` maps field names (``pixel_values``, ``image_grid_thw``, ...) to tensors whose first dimension
     runs over this sample's media items or patches; merging a pack concatenates them along that dimension.
+    ``token_fields`` maps names of :data:`TOKEN_FIELD_PADS` to 1-D tensors aligned with ``input_ids`` (packed and
+    padded like the ids, truncated with them).
     """
 
     input_ids: torch.Tensor
@@ -88,6 +95,7 @@ class MLLMSample:
     media_tokens: int = 0
     media_end: int = 0
     media_sq: int = 0  # see SampleMeta.media_sq
+    token_fields: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.input_ids.dim() != 1 or self.labels.shape != self.input_ids.shape:
@@ -95,6 +103,13 @@ class MLLMSample:
                 f"sample {self.sample_id!r}: input_ids and labels must be 1-D of equal length, got "
                 f"{tuple(self.input_ids.shape)} and {tuple(self.labels.shape)}"
             )
+        for name, values in self.token_fields.items():
+            if name not in TOKEN_FIELD_PADS:
+                raise ValueError(f"sample {self.sample_id!r}: token field {name!r} has no inactive value; add it to "
+                                 f"TOKEN_FIELD_PADS (known: {sorted(TOKEN_FIELD_PADS)})")
+            if values.shape != self.input_ids.shape:
+                raise ValueError(f"sample {self.sample_id!r}: token field {name!r} has shape {tuple(values.shape)}, "
+                                 f"input_ids {tuple(self.input_ids.shape)}")
 
     @property
     def length(self) -> int:
@@ -125,6 +140,7 @@ class MLLMSample:
             media_tokens=self.media_tokens,
             media_end=self.media_end,
             media_sq=self.media_sq,
+            token_fields={name: values[:max_len] for name, values in self.token_fields.items()},
         )
 
 
