@@ -2,10 +2,14 @@
 
 :func:`cost_profile` reads a transformers VLM, generically over recipes: the matmuls of every part from its parameter
 shapes (each ``nn.Linear`` costs 2 x in x out FLOPs per row it processes, a patch-embedding convolution 2 x its
-weight per patch, fused MoE experts 2 x their weight x top_k / num_experts per token), sorted into language model,
-output head, vision tower and projector by module name; attention per (query, key) pair from the config (4 x heads x
-head_dim per layer: QK^T and AV); the vision geometry from the config (``spatial_merge_size``, CLIP's CLS position
-under LLaVA's ``default`` feature strategy, the fixed image size of a stacked-image tower). It works on a model
+weight per patch, fused MoE experts 2 x their weight x top_k / num_experts per token, a projector's bare weight
+matrix 2 x its size per media token), sorted into language model, output head, vision tower and projector by module
+name; attention per (query, key) pair from the config (4 x heads x head_dim per layer, a layer's own head_dim where
+the config has ``per_layer_config``: QK^T and AV), full-attention and sliding-window layers apart (``lm_pair``,
+``lm_sliding_pair``, the window read from the config); the vision geometry from the config (``spatial_merge_size``,
+CLIP's CLS position under LLaVA's ``default`` feature strategy, the fixed image size of a stacked-image tower, pooled
+to ``mm_tokens_per_image`` where the config says so). Bidirectional blocks are the recipe's to declare (their field
+and layer types, ``CostProfile.block_field``; Gemma's image tokens). It works on a model
 built on the meta device (:func:`planning_cost_profile`), so planning needs no weights.
 
 Backward: a matmul's backward computes the gradient of its input (when anything upstream trains) and of its weight
@@ -16,8 +20,12 @@ in its ``model.py`` (``Recipe.cost_profile``).
 
 :func:`batch_flops` counts a collated batch: useful FLOPs (real tokens, causal pairs per sample, the media) and
 executed FLOPs for the attention backend in use (``cost.attention_pairs``: a dense mask computes L^2 per row), plus
-the zero-weighted dummy media pass on micro-batches without media. Checked against torch's ``FlopCounterMode`` on
-every recipe's tiny model with the eager backend (``tests/test_flops.py``).
+the zero-weighted dummy media pass on micro-batches without media. Where a layer type's mask is more than causal (a
+sliding window, bidirectional blocks), its executed pairs follow the form the backend takes (``mvp_engine.packing``'s
+mask forms): a dense mask still L^2 per row; sdpa_varlen n^2 for a span with a mask of its own (it runs masked sdpa)
+and n(n+1)/2 for a plain causal one; flex every 128 x 128 tile the layer's predicate reaches. Checked against torch's
+``FlopCounterMode`` on every recipe's tiny model with the eager backend (``tests/test_flops.py``; Gemma's windows and
+blocks in ``tests/test_flops_windowed.py``).
 
 MFU = useful FLOPs per second per device / the device's peak: ``train.peak_tflops``, else :data:`GPU_PEAK_TFLOPS`
 (dense bf16/fp16 tensor-core peaks) when training in bf16/fp16 on a GPU it names, else unknown (no MFU).
@@ -31,14 +39,24 @@ from dataclasses import dataclass
 import torch
 
 from mvp_engine.kit.mllm.data import CostProfile, Rate, WorkUnits
-from mvp_engine.kit.mllm.data.cost import attention_pairs, causal_pairs, chunked_tokens
+from mvp_engine.kit.mllm.data.cost import BLOCK_MASK, FLEX_BLOCK, VARLEN, attention_pairs, chunked_tokens, useful_pairs
 from mvp_engine.kit.mllm.data.media import IMAGES, VIDEOS
-from mvp_engine.packing import packed_inputs, unwrap_model
+from mvp_engine.packing import (
+    Predicate,
+    causal,
+    packed_inputs,
+    packed_predicate,
+    same_block,
+    segment_run_ids,
+    sliding_window,
+    unwrap_model,
+)
 
 VISION_NAMES = ("visual", "vision_tower", "vision_model")
 PROJECTOR_NAMES = ("multi_modal_projector", "merger", "projector")
 LINEAR_CHUNK = 64  # transformers' chunk_gated_delta_rule default
-FULL_ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention")  # sliding: counted as full
+FULL_ATTENTION_TYPES = ("full_attention", "chunked_attention")  # chunked (Llama 4): counted as full
+SLIDING_TYPE = "sliding_attention"
 
 # Dense bf16/fp16 tensor-core peaks in TFLOP/s (vendor data sheets, without sparsity), matched in this order against
 # torch.cuda.get_device_name(): the first substring found wins.
@@ -91,11 +109,20 @@ def _linear_attention_core(text) -> int:
     return layers * heads * (4 * c * dk + 2 * c * dv + 6 * dk * dv)
 
 
-def _full_attention_layers(text) -> int:
-    layer_types = getattr(text, "layer_types", None)
-    if not layer_types:
-        return int(text.num_hidden_layers)
-    return sum(1 for kind in layer_types if kind in FULL_ATTENTION_TYPES)
+def _attention_widths(text) -> tuple[int, int]:
+    """Σ heads x head_dim over the full-attention layers and over the sliding-window layers."""
+    layer_types = getattr(text, "layer_types", None) or ["full_attention"] * int(text.num_hidden_layers)
+    per_layer = getattr(text, "per_layer_config", None)
+    heads = int(text.num_attention_heads)
+    full = sliding = 0
+    for index, kind in enumerate(layer_types):
+        head_dim = getattr(per_layer[index], "head_dim", None) if per_layer is not None else None
+        width = heads * int(head_dim) if head_dim else _attention_width(text)
+        if kind == SLIDING_TYPE:
+            sliding += width
+        elif kind in FULL_ATTENTION_TYPES:
+            full += width
+    return full, sliding
 
 
 @dataclass
@@ -118,6 +145,10 @@ def _matmuls(model: torch.nn.Module, unreachable: set[str], experts_share: float
         elif isinstance(module, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)):
             forward = 2 * weight.numel()  # per output position: a patch (kernel = stride), or a token (conv1d)
             part = "patch_embed" if part == "vision" else part
+        elif part == "projector" and not isinstance(module, torch.nn.Embedding) and any(
+                p.dim() == 2 for p in module.parameters(recurse=False)):
+            weight = next(p for p in module.parameters(recurse=False) if p.dim() == 2)  # a bare matmul weight
+            forward = 2 * weight.numel()
         else:
             experts = [p for p in module.parameters(recurse=False) if p.dim() == 3]
             if not experts or part != "language_model":
@@ -171,8 +202,10 @@ def cost_profile(model: torch.nn.Module, unreachable: Iterable[str] = ()) -> Cos
         key = RATE_OF_PART[m.part]
         rates[key] = rates[key] + Rate(m.forward, backward)
 
-    lm_pair = 4 * _attention_width(text) * _full_attention_layers(text)
-    profile = {**rates, "lm_pair": Rate(lm_pair, 2 * lm_pair if lm_grad else 0)}
+    full, sliding = (4 * width for width in _attention_widths(text))
+    profile = {**rates, "lm_pair": Rate(full, 2 * full if lm_grad else 0),
+               "lm_sliding_pair": Rate(sliding, 2 * sliding if lm_grad else 0),
+               "sliding_window": int(text.sliding_window) if sliding else 0}
     core = _linear_attention_core(text)
     if core:
         profile["lm_linear_token"] = Rate(core, 2 * core if lm_grad else 0)
@@ -192,6 +225,9 @@ def cost_profile(model: torch.nn.Module, unreachable: Iterable[str] = ()) -> Cos
         if getattr(vision, "image_size", None) and merge == 1:
             side = int(vision.image_size) // int(vision.patch_size)
             profile["item_patches"] = side * side
+            pooled = getattr(config, "mm_tokens_per_image", None)  # Gemma 3: patches average-pooled to n tokens
+            if pooled:
+                profile["patches_per_media_token"] = side * side // int(pooled)
     return CostProfile(**profile)
 
 
@@ -204,10 +240,11 @@ def recipe_cost_profile(recipe, model: torch.nn.Module) -> CostProfile:
 
 def planning_cost_profile(recipe, model_cfg) -> CostProfile:
     """The profile ``Trainer`` uses, without weights: the recipe's model built on the meta device (its config
-    only, for a pretrained folder) with the run's freezing applied."""
+    only, for a pretrained folder) with the run's adapters (``model.lora``) and freezing applied."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     from .builders import to_plain
+    from .lora import add_adapters, lora_spec
     from .participation import freeze_parameters
 
     cfg = to_plain(model_cfg) or {}
@@ -216,6 +253,7 @@ def planning_cost_profile(recipe, model_cfg) -> CostProfile:
             model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(cfg["pretrained"]))
         else:
             model = recipe.build_model(model_cfg, "eager")
+        add_adapters(model, lora_spec(cfg))
     freeze_parameters(model, cfg.get("freeze") or [], recipe.unreachable_parameters(model))
     return recipe_cost_profile(recipe, model)
 
@@ -256,6 +294,71 @@ def _row_spans(segment_ids: torch.Tensor) -> list[list[tuple[int, bool]]]:
     return out
 
 
+def _block_ids(profile: CostProfile, batch: Mapping) -> torch.Tensor:
+    """(B, L) the run index of the segment a bidirectional-block token is in, -1 elsewhere (a block never crosses
+    a sample)."""
+    values = batch.get(profile.block_field)
+    if values is None:
+        raise ValueError(f"the cost profile counts bidirectional blocks from the batch field {profile.block_field!r}, "
+                         "which this batch lacks")
+    inside = torch.isin(values, torch.tensor(profile.block_values, dtype=values.dtype, device=values.device))
+    return torch.where(inside, segment_run_ids(batch["pack_segment_ids"]), -1)
+
+
+def _span_blocks(block_ids: torch.Tensor, spans: list[list[tuple[int, bool]]]) -> list[list[tuple[int, bool]]]:
+    """Per row and span: the pairs above the diagonal inside its blocks (Σ n(n - 1)/2) and whether it has a block
+    of two tokens or more (its mask is then more than causal)."""
+    out = []
+    for row, row_spans in enumerate(spans):
+        extra, wide = [0] * len(row_spans), [False] * len(row_spans)
+        runs, counts = torch.unique_consecutive(block_ids[row], return_counts=True)
+        for run, n in zip(runs.tolist(), counts.tolist()):
+            if run >= 0:
+                extra[run] += n * (n - 1) // 2
+                wide[run] = wide[run] or n > 1
+        out.append(list(zip(extra, wide)))
+    return out
+
+
+def _layer_predicates(profile: CostProfile, block_ids: torch.Tensor | None) -> dict[str, Predicate]:
+    """The masks the profile's layer types compute: causal, or causal | same block; sliding ones inside the window."""
+    def core(with_blocks: bool) -> Predicate:
+        return causal() | same_block(block_ids) if with_blocks and block_ids is not None else causal()
+
+    layers = {"full": core(profile.full_blocks)}
+    if profile.sliding_window:
+        layers["sliding"] = sliding_window(profile.sliding_window) & core(profile.sliding_blocks)
+    return layers
+
+
+def _flex_tiles(segment_ids: torch.Tensor, predicate: Predicate) -> int:
+    """128 x 128 tiles the BlockMask of ``predicate`` over these rows keeps (partial or full): what flex computes."""
+    length = segment_ids.shape[1]
+    starts = torch.arange(-(-length // FLEX_BLOCK), device=segment_ids.device) * FLEX_BLOCK
+    ends = (starts + FLEX_BLOCK).clamp(max=length) - 1
+    any_, _ = packed_predicate(segment_ids, predicate).tiles(starts, ends)
+    return int(any_.expand(segment_ids.shape[0], len(starts), len(starts)).sum())
+
+
+def _executed_pairs(profile: CostProfile, kind: str, segment_ids: torch.Tensor, spans, blocks,
+                    block_ids: torch.Tensor | None) -> tuple[int, int]:
+    """(full-layer, sliding-layer) pairs the backend kind computes for masks beyond causal (module docstring)."""
+    rows, width = segment_ids.shape
+    window = profile.sliding_window
+    if kind == VARLEN:
+        def pairs(masked) -> int:
+            return sum(n * n if masked(n, wide) else n * (n + 1) // 2
+                       for row, row_blocks in zip(spans, blocks) for (n, _), (_, wide) in zip(row, row_blocks))
+        full = pairs(lambda n, wide: profile.full_blocks and wide)
+        sliding = pairs(lambda n, wide: (profile.sliding_blocks and wide) or n > window) if window else 0
+        return full, sliding
+    if kind == BLOCK_MASK:
+        predicates = _layer_predicates(profile, block_ids)
+        return tuple(_flex_tiles(segment_ids, predicates[k]) * FLEX_BLOCK * FLEX_BLOCK if k in predicates else 0
+                     for k in ("full", "sliding"))
+    return rows * width * width, rows * width * width if window else 0
+
+
 @dataclass
 class BatchFlops:
     useful: int
@@ -274,11 +377,21 @@ def batch_flops(profile: CostProfile, batch: Mapping, attention: str, dummy_medi
     spans = _row_spans(segment_ids)
     media = _media_units(profile, batch)
     effective = int((segment_ids >= 0).sum())
-    useful = media + WorkUnits(lm_tokens=effective, lm_linear_tokens=effective,
-                               lm_pairs=causal_pairs([n for row in spans for n, real in row if real]))
+    block_ids = _block_ids(profile, batch) if profile.has_blocks else None
+    blocks = (_span_blocks(block_ids, spans) if block_ids is not None
+              else [[(0, False)] * len(row) for row in spans])
+    real = [(n, extra) for row, row_blocks in zip(spans, blocks) for (n, is_real), (extra, _) in zip(row, row_blocks)
+            if is_real]
+    full, sliding = useful_pairs(profile, [n for n, _ in real], sum(extra for _, extra in real))
+    useful = media + WorkUnits(lm_tokens=effective, lm_linear_tokens=effective, lm_pairs=full, lm_sliding_pairs=sliding)
     chunked = chunked_tokens(spans if packed else [[(width, True)]] * rows, profile.linear_chunk)
-    pairs = attention_pairs(packed_inputs(attention), spans, width)
-    executed = media + WorkUnits(lm_tokens=rows * width, lm_pairs=pairs, lm_linear_tokens=chunked)
+    kind = packed_inputs(attention)
+    if profile.sliding_window or profile.has_blocks:
+        full, sliding = _executed_pairs(profile, kind, segment_ids, spans, blocks, block_ids)
+    else:
+        full, sliding = attention_pairs(kind, spans, width), 0
+    executed = media + WorkUnits(lm_tokens=rows * width, lm_pairs=full, lm_sliding_pairs=sliding,
+                                 lm_linear_tokens=chunked)
     if dummy_passes is None:
         dummy_passes = 0 if int(batch["media_tokens"].sum()) else 1
     for _ in range(dummy_passes if dummy_media is not None else 0):

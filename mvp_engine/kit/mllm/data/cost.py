@@ -10,17 +10,23 @@ Units of work:
 
 * ``lm_token``: one position through the language model's matmuls (all layers), ``lm_head_token`` through the
   output projection;
-* ``lm_pair``: one (query, key) pair through attention, summed over the attention layers; ``lm_linear_token``: one
-  position through the recurrent core of linear-attention layers (Gated DeltaNet), which runs in chunks of
-  ``linear_chunk`` tokens, each sequence padded to a whole chunk;
+* ``lm_pair``: one (query, key) pair through attention, summed over the full-attention layers; ``lm_sliding_pair``
+  the same over the sliding-window layers, which need only the pairs inside their window (``sliding_window``);
+  ``lm_linear_token``: one position through the recurrent core of linear-attention layers (Gated DeltaNet), which
+  runs in chunks of ``linear_chunk`` tokens, each sequence padded to a whole chunk;
 * ``vision_patch``: one patch through the patch embedding; ``vision_position``: one vision position (a patch, or an
   extra one such as CLIP's CLS) through the vision blocks' matmuls; ``vision_pair``: one (query, key) pair of
   vision attention, summed over its blocks;
 * ``projector_token``: one language-model media token through the projector / merger.
 
+Bidirectional blocks (Gemma: one image's tokens attend to each other, in the layer types ``full_blocks`` /
+``sliding_blocks`` say) add the pairs above the diagonal inside each block, n(n-1)/2 per block of n tokens; a block
+is a run of tokens whose ``block_field`` value is one of ``block_values``, and at planning one media item's tokens.
+
 Two counts of the same batch: **useful** FLOPs (what the step needed: real tokens only, causal attention inside each
-sample, n(n+1)/2 pairs per segment) and **executed** FLOPs (what the attention kernel in use did: a dense L x L mask
-computes every pair of every row, padding included; see ``attention_pairs``). MFU is reported on useful FLOPs.
+sample, n(n+1)/2 pairs per segment, min(q + 1, window) per query in a sliding layer, plus the block pairs) and
+**executed** FLOPs (what the attention kernel in use did: a dense L x L mask computes every pair of every row,
+padding included; see ``attention_pairs``). MFU is reported on useful FLOPs.
 
 Per-pack costs for planning (:func:`pack_costs`) need no model and no pixel: segment lengths and the media columns of
 ``SampleMetas`` (``media_tokens``, ``media_sq``, ``num_media``) are enough.
@@ -32,9 +38,10 @@ from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
-RATE_FIELDS = ("lm_token", "lm_head_token", "lm_pair", "lm_linear_token", "vision_patch", "vision_position",
-               "vision_pair", "projector_token")
+RATE_FIELDS = ("lm_token", "lm_head_token", "lm_pair", "lm_sliding_pair", "lm_linear_token", "vision_patch",
+               "vision_position", "vision_pair", "projector_token")
 UNIT_OF_RATE = {"lm_token": "lm_tokens", "lm_head_token": "lm_tokens", "lm_pair": "lm_pairs",
+                "lm_sliding_pair": "lm_sliding_pairs",
                 "lm_linear_token": "lm_linear_tokens",
                 "vision_patch": "vision_patches", "vision_position": "vision_positions", "vision_pair": "vision_pairs",
                 "projector_token": "media_tokens"}
@@ -72,6 +79,7 @@ class WorkUnits:
 
     lm_tokens: int = 0
     lm_pairs: int = 0
+    lm_sliding_pairs: int = 0
     lm_linear_tokens: int = 0
     vision_patches: int = 0
     vision_positions: int = 0
@@ -87,11 +95,13 @@ class CostProfile:
     """What each unit of work costs one model (see the module docstring), plus the vision geometry that turns
     language-model media tokens into vision positions: ``patches_per_media_token`` (Qwen-VL: ``spatial_merge_size``
     squared; LLaVA: 1), ``extra_positions_per_item`` (CLIP's CLS position under LLaVA's ``default`` feature
-    strategy) and ``item_patches`` (patches of one image where images are stacked at a fixed size, no grid)."""
+    strategy) and ``item_patches`` (patches of one image where images are stacked at a fixed size, no grid); the
+    attention pattern: ``sliding_window`` (0: no sliding layers) and the bidirectional blocks (module docstring)."""
 
     lm_token: Rate = field(default_factory=Rate)
     lm_head_token: Rate = field(default_factory=Rate)
     lm_pair: Rate = field(default_factory=Rate)
+    lm_sliding_pair: Rate = field(default_factory=Rate)
     lm_linear_token: Rate = field(default_factory=Rate)
     vision_patch: Rate = field(default_factory=Rate)
     vision_position: Rate = field(default_factory=Rate)
@@ -101,6 +111,15 @@ class CostProfile:
     extra_positions_per_item: int = 0
     item_patches: int = 0
     linear_chunk: int = 64
+    sliding_window: int = 0
+    block_field: str = ""
+    block_values: tuple[int, ...] = ()
+    full_blocks: bool = False
+    sliding_blocks: bool = False
+
+    @property
+    def has_blocks(self) -> bool:
+        return bool(self.block_field) and (self.full_blocks or self.sliding_blocks)
 
     # ------------------------------------------------------------------------------------------------ counting
 
@@ -120,7 +139,8 @@ class CostProfile:
 
     def breakdown(self, units: WorkUnits) -> dict[str, dict[str, int]]:
         """Forward and backward FLOPs of ``units`` per part of the model."""
-        parts = {"language_model": ("lm_token", "lm_pair", "lm_linear_token"), "lm_head": ("lm_head_token",),
+        parts = {"language_model": ("lm_token", "lm_pair", "lm_sliding_pair", "lm_linear_token"),
+                 "lm_head": ("lm_head_token",),
                  "vision": ("vision_patch", "vision_position", "vision_pair"), "projector": ("projector_token",)}
         return {part: {"forward": sum(getattr(units, UNIT_OF_RATE[n]) * getattr(self, n).forward for n in names),
                        "backward": sum(getattr(units, UNIT_OF_RATE[n]) * getattr(self, n).backward for n in names)}
@@ -133,13 +153,32 @@ class CostProfile:
 
     @classmethod
     def from_dict(cls, values: dict) -> CostProfile:
-        return cls(**{k: Rate(**v) if k in RATE_FIELDS else v for k, v in values.items()})
+        return cls(**{k: Rate(**v) if k in RATE_FIELDS else tuple(v) if k == "block_values" else v
+                      for k, v in values.items()})
 
 
 def causal_pairs(lengths) -> int:
     """(query, key) pairs causal attention inside each segment needs: n(n+1)/2 per segment of length n."""
     lengths = np.asarray(lengths, dtype=np.int64)
     return int((lengths * (lengths + 1) // 2).sum())
+
+
+def windowed_pairs(lengths, window: int) -> int:
+    """Pairs causal attention inside a one-sided window (``kv > q - window``) needs per segment: min(q + 1, window)
+    per query; ``window=0``: no window (:func:`causal_pairs`)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if not window:
+        return causal_pairs(lengths)
+    inside = np.minimum(lengths, window)
+    return int((inside * (inside + 1) // 2 + (lengths - inside) * window).sum())
+
+
+def useful_pairs(profile: CostProfile, lengths, block_extra) -> tuple:
+    """(full-layer pairs, sliding-layer pairs) the segments of ``lengths`` need, ``block_extra`` being the pairs
+    above the diagonal inside their bidirectional blocks (Σ n(n - 1)/2; inside any window, which is one-sided)."""
+    full = causal_pairs(lengths) + (block_extra if profile.full_blocks else 0)
+    sliding = windowed_pairs(lengths, profile.sliding_window) + (block_extra if profile.sliding_blocks else 0)
+    return full, sliding
 
 
 def attention_pairs(packed_inputs: str, row_spans: list[list[tuple[int, bool]]], width: int) -> int:
@@ -179,7 +218,8 @@ def pack_units(lengths, media_tokens, media_sq, num_media, profile: CostProfile)
     """Useful work of one pack given its samples' packed lengths and media columns."""
     units = profile.media_units(int(np.sum(media_tokens)), int(np.sum(media_sq)), int(np.sum(num_media)))
     units.lm_tokens = units.lm_linear_tokens = int(np.sum(lengths))
-    units.lm_pairs = causal_pairs(lengths)
+    extra = int(np.sum(media_sq) - np.sum(media_tokens)) // 2 if profile.has_blocks else 0
+    units.lm_pairs, units.lm_sliding_pairs = useful_pairs(profile, lengths, extra)
     return units
 
 
@@ -203,5 +243,12 @@ def pack_costs(profile: CostProfile, offsets: np.ndarray, members: np.ndarray, l
     units = profile.media_units(per_pack(mt), per_pack(msq), per_pack(nm))
     units.lm_tokens = units.lm_linear_tokens = per_pack(n)
     units.lm_pairs = per_pack(n * (n + 1) // 2)
+    w = profile.sliding_window
+    inside = np.minimum(n, w) if w else n
+    units.lm_sliding_pairs = per_pack(inside * (inside + 1) // 2 + (n - inside) * w)
+    if profile.has_blocks:  # one media item's tokens are one block: Σ n(n - 1)/2 = (media_sq - media_tokens) / 2
+        extra = per_pack((msq - mt) // 2)
+        units.lm_pairs = units.lm_pairs + extra * profile.full_blocks
+        units.lm_sliding_pairs = units.lm_sliding_pairs + extra * profile.sliding_blocks
     return np.asarray(sum(getattr(units, UNIT_OF_RATE[name]) * float(getattr(profile, name).total)
                           for name in RATE_FIELDS), dtype=np.float64)
