@@ -47,6 +47,18 @@ def test_frozen_towers_cost_what_the_counter_says(tmp_path):
     assert frozen.planning_profile_matches
 
 
+def test_lora_adapters_on_a_frozen_base_cost_what_the_counter_says(tmp_path):
+    """LoRA on every linear layer of the language model, the vision tower and the projector (``model``): the
+    adapters add their forward, the frozen base weights (and the frozen head) compute no weight gradient."""
+    lora = check_flop_count("llava", tmp_path, lora={"r": 4, "target_modules": ["model"]})
+    full = check_flop_count("llava", tmp_path / "full")
+    print(lora.line())
+    assert abs(lora.relative_error) <= TOLERANCE and abs(lora.forward_relative_error) <= TOLERANCE, lora.line()
+    assert lora.counted_forward > full.counted_forward
+    assert lora.counted - lora.counted_forward < full.counted - full.counted_forward
+    assert lora.planning_profile_matches
+
+
 @pytest.mark.parametrize("name", RECIPES)
 def test_pack_cost_from_metadata_equals_the_useful_flops_of_the_encoded_pack(name, tmp_path):
     """What the planner balances (lengths and media columns only) is what the step needs: images, and a video where

@@ -39,7 +39,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from mvp_engine.kit.mllm.data import TokenAccounting
 
@@ -62,6 +62,7 @@ class RunState:
     totals: dict = field(default_factory=dict)
     dropped: dict = field(default_factory=dict)
     epochs: list[dict] = field(default_factory=list)  # per-epoch record ledger (EpochLedger.as_dict)
+    sources: dict = field(default_factory=dict)  # per-source tallies by name (SourceTally.to_dict)
     # the run shape it was saved under: a resume must keep the global batch (world_size x micro x accumulation)
     world_size: int = 1
     micro_batch_size: int = 1
@@ -162,8 +163,10 @@ class Checkpointer:
     """Saves and loads the run's model, optimizer, scheduler, RNG and :class:`RunState`, atomically."""
 
     def __init__(self, accelerator: Accelerator, run_dir: Path, keep_last: int, model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer, scheduler):
+                 optimizer: torch.optim.Optimizer, scheduler, trainable_only: bool = False):
         self.accelerator = accelerator
+        # trainable_only (LoRA): the frozen base is left out, rebuilt from the config as it was on the first start
+        self.options = StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
         self.root = run_dir / CHECKPOINTS
         self.keep_last = keep_last
         self.model = model
@@ -173,7 +176,7 @@ class Checkpointer:
         self.scheduler = scheduler
 
     def _state(self) -> dict:
-        model, optimizer = get_state_dict(self.model, self.optimizer)
+        model, optimizer = get_state_dict(self.model, self.optimizer, options=self.options)
         state = {"model": model, "optimizer": optimizer, "scheduler": self.scheduler.state_dict()}
         if self.accelerator.scaler is not None:  # fp16's loss scale
             state["scaler"] = self.accelerator.scaler.state_dict()
@@ -212,7 +215,7 @@ class Checkpointer:
         with _one_process_is_meant():
             dcp.load(loaded, storage_reader=dcp.FileSystemReader(checkpoint))
         set_state_dict(self.model, self.optimizer, model_state_dict=loaded["model"],
-                       optim_state_dict=loaded["optimizer"])
+                       optim_state_dict=loaded["optimizer"], options=self.options)
         self.scheduler.load_state_dict(loaded["scheduler"])
         if "scaler" in loaded:
             self.accelerator.scaler.load_state_dict(loaded["scaler"])

@@ -38,6 +38,7 @@ from .config import CONF_DIR, ConfigError, RunSpecs, resolve_run_specs
 from .demo import with_demo_data
 from .flops import batch_flops, device_peak_tflops, recipe_cost_profile
 from .launch import build_accelerator, describe_processes, end_processes
+from .lora import add_adapters, lora_spec, save_adapters
 from .participation import dummy_passes, freeze_parameters, media_kinds
 from .preemption import PreemptionWatch, ignore_stop_signals
 from .recipe import Recipe
@@ -127,6 +128,9 @@ class Trainer:
         with pretrained_without_weights() if self.broadcast_weights and not self.accelerator.is_main_process \
                 else nullcontext():
             self.model = recipe.build_model(cfg.model, self.specs.attention)
+        # LoRA adapters (lora.py) before recomputation and freezing, which then see them as ordinary layers
+        self.lora = lora_spec(cfg.model)
+        self.model = add_adapters(self.model, self.lora, int(cfg.model.get("seed") or 0))
         if train.activation_checkpointing:  # before any sharding wraps the layers (recompute.py)
             enable_activation_checkpointing(self.model)
         self.parameters = freeze_parameters(self.model, cfg.model.get("freeze") or [],
@@ -164,7 +168,7 @@ class Trainer:
         self._report_bad_records_found_before_training()
         model, optimizer, scheduler = self._prepare_training()
         checkpointer = Checkpointer(self.accelerator, self.output_dir, self.specs.train.keep_last, model, optimizer,
-                                    scheduler)
+                                    scheduler, trainable_only=self.lora.enabled)
         progress = Progress.from_state(self._start_state(checkpointer))
         started = time.perf_counter()
         with self._step_log(progress.state) as log, PreemptionWatch() as preemption:
@@ -359,6 +363,7 @@ class Trainer:
             "world_size": self.accelerator.num_processes,
             "sharding": self.specs.train.sharding,
             "activation_checkpointing": self.specs.train.activation_checkpointing,
+            "lora": self.lora.to_dict() if self.lora.enabled else None,
             "estimated_steps": self.total_steps,
             "actual_steps": state.step,
             "steps_per_rank_this_session": steps_per_rank,
@@ -383,9 +388,15 @@ class Trainer:
         if not self.accelerator.is_main_process:
             return
         model_dir = self.output_dir / "model"
-        with own_class(self.accelerator.unwrap_model(model)) as unwrapped:
-            unwrapped.save_pretrained(model_dir, state_dict=state_dict)
-        self.processor.save_pretrained(model_dir)
+        if self.lora.enabled:  # the adapter folder (and model/merged), from the gathered state dict
+            saved = save_adapters(lambda: self.recipe.build_model(self.cfg.model, self.specs.attention), self.lora,
+                                  state_dict, model_dir)
+        else:
+            with own_class(self.accelerator.unwrap_model(model)) as unwrapped:
+                unwrapped.save_pretrained(model_dir, state_dict=state_dict)
+            saved = [model_dir]
+        for directory in saved:
+            self.processor.save_pretrained(directory)
         self.files.write_summary(summary)
         print(f"summary: steps {summary['actual_steps']} (estimated {summary['estimated_steps']}), loss "
               f"{summary['loss_first']:.4f} -> {summary['loss_last']:.4f}, effective tokens/s "

@@ -34,6 +34,7 @@ from mvp_engine.packing import SDPA_VARLEN, has_linear_attention, is_flash, row_
 from mvp_engine.packing.attention import FLEX
 from mvp_engine.packing.linear_attention import BOUNDARIES
 
+from ..lora import LoraSpec, add_adapters
 from ..loss import weighted_token_loss
 from ..recipe import Recipe
 from .records import demo_like_records, video_record
@@ -169,17 +170,33 @@ def _relative_grad_diff(params, packed_grads) -> tuple[float, list[str]]:
     return worst, problems
 
 
+def with_random_adapters(model: torch.nn.Module, lora: LoraSpec, seed: int = 0) -> torch.nn.Module:
+    """``model`` with ``lora``'s adapters, their B matrices drawn at random: peft starts them at zero, where the
+    adapted model would compute the base model's logits and a packed leak through an adapter could not show."""
+    model = add_adapters(model, lora, seed)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_B." in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    return model
+
+
 def run_equivalence(case: EquivalenceCase, backend: str, *, prepare_packed: Callable | None = None,
                     device: str | None = None, dtype: torch.dtype | None = None,
-                    tol: float | None = None) -> EquivalenceReport:
+                    tol: float | None = None, lora: LoraSpec | None = None) -> EquivalenceReport:
     """Packed vs one-by-one on ``backend`` (``prepare_packed`` overrides the recipe's, e.g. to prove a broken one
-    is caught). fp32 on CPU by default; flash runs on CUDA in bf16 with a looser tolerance."""
+    is caught; ``lora``: on the model with those adapters, :func:`with_random_adapters`, whose gradients are the
+    ones compared). fp32 on CPU by default; flash runs on CUDA in bf16 with a looser tolerance."""
     flash = is_flash(backend)
     device = device or ("cuda" if flash else "cpu")
     dtype = dtype or (torch.bfloat16 if flash else torch.float32)
     tol = tol if tol is not None else (TOL if dtype == torch.float32 else LOW_PRECISION_TOL)
     prepare = prepare_packed or case.recipe.prepare_packed
-    model = case.recipe.build_model(case.model_cfg, backend).to(device=device, dtype=dtype).eval()
+    model = case.recipe.build_model(case.model_cfg, backend)
+    if lora is not None:
+        model = with_random_adapters(model, lora)
+    model = model.to(device=device, dtype=dtype).eval()
     grads = backward_available(backend) if device == "cpu" else True
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     batch = _to(case.batch, device)
@@ -222,6 +239,8 @@ def run_equivalence(case: EquivalenceCase, backend: str, *, prepare_packed: Call
             separate_loss.backward()
             grad_diff, problems = _relative_grad_diff(params, packed_grads)
             notes += problems
+    if lora is not None:
+        backend = f"{backend} + LoRA r={lora.r} on {lora.target_modules}"
     return EquivalenceReport(case.recipe.name, backend, str(dtype).removeprefix("torch."), diffs,
                              packed_loss.detach().item(), separate_loss.detach().item(), grad_diff, tol, notes)
 

@@ -19,6 +19,7 @@ from torch.utils.flop_counter import FlopCounterMode, conv_flop_count
 
 from ..builders import to_plain
 from ..flops import batch_flops, planning_cost_profile, recipe_cost_profile
+from ..lora import add_adapters, lora_spec
 from ..loss import weighted_token_loss
 from ..participation import freeze_parameters
 from .equivalence import equivalence_case
@@ -55,10 +56,13 @@ class FlopCheck:
                 f"({self.relative_error:+.2%}; forward {self.forward_relative_error:+.2%}), useful {self.useful:,}")
 
 
-def check_flop_count(name: str, workdir: Path, freeze: tuple[str, ...] = ()) -> FlopCheck:
-    """``freeze``: ``model.freeze`` patterns (backward FLOPs depend on what trains)."""
+def check_flop_count(name: str, workdir: Path, freeze: tuple[str, ...] = (), lora: dict | None = None) -> FlopCheck:
+    """``freeze``: ``model.freeze`` patterns (backward FLOPs depend on what trains); ``lora``: ``model.lora`` keys
+    set over the recipe's (adapters on a frozen base)."""
     case = equivalence_case(name, workdir)
-    model = case.recipe.build_model(case.model_cfg, BACKEND).train()
+    model_cfg = {**to_plain(case.model_cfg), "freeze": list(freeze)}
+    model_cfg["lora"] = {**model_cfg.get("lora", {}), **(lora or {})}
+    model = add_adapters(case.recipe.build_model(case.model_cfg, BACKEND), lora_spec(model_cfg)).train()
     freeze_parameters(model, list(freeze), case.recipe.unreachable_parameters(model))  # as the trainer does
     profile = recipe_cost_profile(case.recipe, model)
     ours = batch_flops(profile, case.batch, BACKEND)
@@ -69,6 +73,6 @@ def check_flop_count(name: str, workdir: Path, freeze: tuple[str, ...] = ()) -> 
         part = weighted_token_loss(logits, case.batch["labels"], case.batch["pack_segment_ids"], "token")
         (part.weighted_sum / part.weight_total).backward()
     forward = sum(p["forward"] for p in profile.breakdown(ours.executed_units).values())
-    planning = planning_cost_profile(case.recipe, {**to_plain(case.model_cfg), "freeze": list(freeze)})
+    planning = planning_cost_profile(case.recipe, model_cfg)
     return FlopCheck(name, counter.get_total_flops(), counted_forward, ours.executed, forward, ours.useful,
                      planning == profile)

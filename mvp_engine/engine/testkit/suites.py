@@ -22,7 +22,8 @@ import pytest
 import mvp_engine.engine.testing as kit
 from mvp_engine.packing import ATTENTION_BACKENDS
 
-from ..config import ConfigError, check_attention
+from ..config import AUTO_ATTENTION, ConfigError, check_attention, resolve_attention
+from ..lora import LoraSpec
 
 
 class RecipeSuite:
@@ -88,6 +89,15 @@ class EquivalenceSuite(RecipeSuite):
         except ConfigError as err:
             pytest.skip(str(err))
         report = kit.run_equivalence(case, backend)
+        print("\n".join(report.lines()))
+        report.check()
+
+    def test_packed_equals_one_by_one_with_lora_adapters(self, case):
+        """One case, on the backend a packed run trains with here (``attention=auto``): adapters on every linear
+        layer under ``model`` (language model, vision tower, projector), random B so they change the logits; the
+        gradients compared are the adapters'."""
+        backend = resolve_attention(AUTO_ATTENTION, case.recipe.attention_backends, packed=True)
+        report = kit.run_equivalence(case, backend, lora=LoraSpec(r=4, target_modules=["model"]))
         print("\n".join(report.lines()))
         report.check()
 

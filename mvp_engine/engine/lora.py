@@ -1,0 +1,134 @@
+"""``model.lora``: LoRA adapters through peft, trained on a frozen base, saved as a peft adapter folder.
+
+The adapters are injected in place by ``peft.get_peft_model``: the recipe's own transformers model stays the module
+the engine trains, prepares inputs for, wraps in DDP or shards with FSDP2 (its targeted ``nn.Linear`` layers become
+peft ``lora.Linear`` layers holding the frozen ``base_layer``); peft's ``PeftModel`` is only the handle that saves.
+Everything model-free sees the adapters as ordinary trainable parameters: checkpoints (:class:`Checkpointer` keeps
+the trainable ones only), the parameter report, and the FLOPs (each frozen ``base_layer`` costs no weight gradient).
+
+``target_modules`` are module-name patterns as ``model.freeze`` reads them (fnmatch, a module and everything under
+it): every ``nn.Linear`` at or under a matching module gets an adapter. The default names the language model's
+attention (``self_attn``, ``linear_attn``) and MLP of every layer; the vision tower (``model.vision_tower`` /
+``model.visual``) and the projector can be named too.
+
+The final ``model/`` folder is saved from the gathered state dict into a fresh copy of the model (built without
+weights where it is ``pretrained``), so one path serves one process, DDP and FSDP2: peft's ``save_pretrained``
+writes the adapter (``adapter_config.json``, ``adapter_model.safetensors``), and ``merge_on_save`` adds
+``model/merged``, peft's ``merge_and_unload`` saved with ``save_pretrained`` (what ``model.pretrained=`` loads).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+from peft import LoraConfig, get_peft_model
+
+from .builders import pretrained_without_weights, to_plain
+from .config import ConfigError, _to_object
+from .participation import _matches
+
+# every linear layer of each decoder layer's attention (full or linear) and MLP
+LANGUAGE_MODEL_TARGETS = ("*language_model.layers.*_attn", "*language_model.layers.*.mlp")
+MERGED = "merged"  # model/merged: the merged save_pretrained model
+
+
+@dataclass
+class LoraSpec:
+    """``model.lora`` (``conf/model/lora/default.yaml``); ``r=0`` trains the model itself."""
+
+    r: int = 0
+    alpha: float | None = None  # null: 2 x r
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: list(LANGUAGE_MODEL_TARGETS))
+    modules_to_save: list[str] = field(default_factory=list)  # trained in full beside the adapters (e.g. lm_head)
+    merge_on_save: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.r, int) or self.r < 0:
+            raise ConfigError(f"model.lora.r={self.r!r} is invalid: allowed an int >= 0 (0: no adapters)")
+        if self.alpha is not None and not self.alpha > 0:
+            raise ConfigError(f"model.lora.alpha={self.alpha!r} is invalid: allowed null (2 x r) or a float > 0")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"model.lora.dropout={self.dropout!r} is invalid: allowed [0, 1)")
+        for key in ("target_modules", "modules_to_save"):
+            value = getattr(self, key)
+            if isinstance(value, str) or not all(isinstance(p, str) for p in value):
+                raise ConfigError(f"model.lora.{key}={value!r} is invalid: allowed a list of module-name patterns")
+        if self.enabled and not self.target_modules:
+            raise ConfigError("model.lora.target_modules is empty: name at least one module to adapt")
+
+    @property
+    def enabled(self) -> bool:
+        return self.r > 0
+
+    def to_dict(self) -> dict:
+        return {"r": self.r, "alpha": self.lora_alpha, "dropout": self.dropout,
+                "target_modules": list(self.target_modules), "modules_to_save": list(self.modules_to_save),
+                "merge_on_save": self.merge_on_save}
+
+    @property
+    def lora_alpha(self) -> float:
+        return float(self.alpha) if self.alpha is not None else 2.0 * self.r
+
+
+def lora_spec(model_cfg) -> LoraSpec:
+    """The validated ``model.lora`` of a composed model config (absent: off)."""
+    node = (to_plain(model_cfg) or {}).get("lora")
+    return LoraSpec() if node is None else _to_object(OmegaConf.create(node), LoraSpec, "model.lora")
+
+
+def target_linear_layers(model: torch.nn.Module, patterns) -> list[str]:
+    """The ``nn.Linear`` modules at or under a module matching a pattern; a pattern matching none is an error."""
+    names = [name for name, _ in model.named_modules() if name]
+    linear = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    for pattern in patterns:
+        if not any(_matches(name, pattern) for name in names):
+            raise ConfigError(f"model.lora.target_modules: pattern {pattern!r} matches no module (names look like "
+                              f"{linear[0]!r})")
+        if not any(_matches(name, pattern) for name in linear):
+            raise ConfigError(f"model.lora.target_modules: pattern {pattern!r} has no nn.Linear at or under it")
+    return [name for name in linear if any(_matches(name, p) for p in patterns)]
+
+
+def lora_config(model: torch.nn.Module, spec: LoraSpec) -> LoraConfig:
+    """peft's config of ``spec`` on ``model``: the target patterns resolved to the exact linear layers."""
+    names = [name for name, _ in model.named_modules() if name]
+    for pattern in spec.modules_to_save:
+        if pattern not in names:
+            raise ConfigError(f"model.lora.modules_to_save: {pattern!r} is not a module name (e.g. 'lm_head')")
+    return LoraConfig(r=spec.r, lora_alpha=spec.lora_alpha, lora_dropout=spec.dropout,
+                      target_modules=target_linear_layers(model, spec.target_modules),
+                      modules_to_save=list(spec.modules_to_save) or None)
+
+
+def add_adapters(model: torch.nn.Module, spec: LoraSpec, seed: int = 0) -> torch.nn.Module:
+    """``model`` with ``spec``'s adapters injected in place and everything else frozen; the same model back when
+    ``spec`` is off. The adapters' random init is seeded and leaves the caller's RNG where it was."""
+    if not spec.enabled:
+        return model
+    config = lora_config(model, spec)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        get_peft_model(model, config)
+    return model
+
+
+def save_adapters(build: Callable[[], torch.nn.Module], spec: LoraSpec, state_dict: dict[str, torch.Tensor],
+                  directory: Path) -> list[Path]:
+    """Write the trained adapters from ``state_dict`` (the whole model's, as gathered for saving) to ``directory``
+    as a peft adapter folder, and with ``merge_on_save`` the merged model to ``directory/merged``; returns the
+    folders written. ``build`` makes the recipe's model (a ``pretrained`` one without its weights)."""
+    with pretrained_without_weights():
+        base = build()
+    peft_model = get_peft_model(base, lora_config(base, spec))
+    peft_model.base_model.model.load_state_dict(state_dict, assign=True)
+    peft_model.save_pretrained(directory)
+    if not spec.merge_on_save:
+        return [directory]
+    # safe_merge writes each merged weight into a new tensor: the loaded ones are the caller's (assign=True)
+    peft_model.merge_and_unload(safe_merge=True).save_pretrained(directory / MERGED)
+    return [directory, directory / MERGED]
