@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -16,6 +16,7 @@ from mvp_engine.packing import ATTENTION_BACKENDS, BACKENDS, SDPA_VARLEN
 
 from . import run_dir  # noqa: F401  (registers the ${run_stamp:...} resolver the configs use)
 from .loss import REDUCTIONS
+from .trackers import check_report_to
 
 AUTO_ATTENTION = "auto"  # resolved per machine and run kind by resolve_attention
 MIXED_PRECISION = ("no", "bf16", "fp16")
@@ -55,12 +56,14 @@ class TrainSpec:
     time_barrier: bool = False  # time each rank's compute and its wait at a barrier before the optimizer step
     sharding: str = "none"  # none: DDP (replicated model); fsdp2: torch's FSDP2 over the ranks (sharding.py)
     activation_checkpointing: bool = False  # recompute each decoder layer and vision block in backward (recompute.py)
+    eval_every_steps: int = 0  # evaluate data.eval_sources every that many optimizer steps; 0: at the end only
+    report_to: list[str] = field(default_factory=list)  # trackers: tensorboard, wandb, mlflow (trackers.py)
 
     def __post_init__(self) -> None:
         for name in ("epochs", "micro_batch_size", "gradient_accumulation_steps", "log_every", "keep_last"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"train.{name}={getattr(self, name)!r} is invalid: allowed an int >= 1")
-        for name in ("num_workers", "save_every_steps", "seed"):
+        for name in ("num_workers", "save_every_steps", "seed", "eval_every_steps"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ConfigError(f"train.{name}={getattr(self, name)!r} is invalid: allowed an int >= 0")
         if self.loss_reduction not in REDUCTIONS:
@@ -93,6 +96,7 @@ class TrainSpec:
         if self.peak_tflops is not None and not (isinstance(self.peak_tflops, (int, float)) and self.peak_tflops > 0):
             raise ConfigError(f"train.peak_tflops={self.peak_tflops!r} is invalid: allowed null or a float > 0 "
                               "(TFLOP/s of one device)")
+        check_report_to(list(self.report_to))
         if self.resume_from not in (None, "auto") and not Path(self.resume_from).is_dir():
             raise ConfigError(f"train.resume_from={self.resume_from!r} is invalid: allowed null, 'auto' or a "
                               "checkpoint directory")
@@ -198,6 +202,11 @@ def resolve_run_specs(cfg: DictConfig, supported_attention: tuple[str, ...]) -> 
             source_kind(source)  # the kit decides what a source is: a missing or unreadable one stops here
         except MLLMRecordError as err:
             raise ConfigError(f"data.sources: {err}") from None
+    for source in data.eval_sources:
+        try:
+            source_kind(source)
+        except MLLMRecordError as err:
+            raise ConfigError(f"data.eval_sources: {err}") from None
     train = _to_object(cfg.train, TrainSpec, "train")
     attention = resolve_attention(str(cfg.attention.implementation), supported_attention, packed=packing is not None)
     check_attention(attention, supported_attention)

@@ -12,9 +12,11 @@ from __future__ import annotations
 import gc
 import logging
 import os
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import ProjectConfiguration
 
 from .config import ConfigError
 
@@ -24,20 +26,25 @@ def fsdp_requested() -> bool:
     return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true")
 
 
-def build_accelerator(mixed_precision: str, sharding: str = "none") -> Accelerator:
+def build_accelerator(mixed_precision: str, sharding: str = "none", report_to: list[str] | None = None,
+                      run_dir: Path | None = None) -> Accelerator:
     """The run's accelerator: CUDA when present (NCCL under a launcher), else the CPU (gloo under a launcher).
 
     ``sharding`` is ``train.sharding``, the one switch for FSDP2: the engine shards with torch's ``fully_shard``
     itself (``sharding.py``), and the accelerator only sets up the process group and the device. An accelerate
     FSDP config (``conf/accelerate/fsdp2.yaml``) without ``train.sharding=fsdp2`` is refused: accelerate would wrap
-    the model in DDP on a CPU machine, so the launch alone must not decide what runs.
+    the model in DDP on a CPU machine, so the launch alone must not decide what runs. ``report_to`` is
+    ``train.report_to`` (``trackers.py``): TensorBoard writes under ``<run_dir>/tensorboard``.
     """
     if fsdp_requested() and sharding != "fsdp2":
         raise ConfigError(f"train.sharding={sharding!r}, but the accelerate config asks for FSDP (distributed_type: "
                           "FSDP): add train.sharding=fsdp2, or launch with conf/accelerate/ddp.yaml for DDP")
     cuda = torch.cuda.is_available()
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # its per-file save/load lines drown the step log
-    return Accelerator(cpu=not cuda, mixed_precision=mixed_precision)
+    project = None if run_dir is None else ProjectConfiguration(project_dir=str(run_dir),
+                                                                logging_dir=str(run_dir / "tensorboard"))
+    return Accelerator(cpu=not cuda, mixed_precision=mixed_precision, log_with=list(report_to or []) or None,
+                       project_config=project)
 
 
 def end_processes() -> None:

@@ -4,6 +4,7 @@ throughput (FLOPs per second, MFU, per-rank barrier timing) for the summary."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
@@ -86,16 +87,31 @@ class Throughput:
 
 
 class StepLog:
-    """The main process's step output: ``metrics.jsonl`` lines, a progress bar and a line every ``log_every``
-    steps; on other ranks it writes nothing."""
+    """The main process's step output: ``metrics.jsonl`` lines (each also handed to ``tracker``, the run's
+    trackers), a progress bar and a line every ``log_every`` steps; on other ranks it writes nothing."""
 
-    def __init__(self, metrics, progress: tqdm, total_steps: int, log_every: int):
+    def __init__(self, metrics, progress: tqdm, total_steps: int, log_every: int,
+                 tracker: Callable[[dict], None] | None = None):
         self.metrics, self.progress, self.total_steps, self.log_every = metrics, progress, total_steps, log_every
+        self.tracker = tracker
+
+    def _line(self, record: dict) -> None:
+        self.metrics.write(json.dumps(record) + "\n")
+        if self.tracker is not None:
+            self.tracker(record)
+
+    def write_eval(self, record: dict) -> None:
+        """An evaluation's line (``evaluation.Evaluator``), and its loss on the console."""
+        if self.metrics is None:
+            return
+        self._line(record)
+        self.progress.write(f"step {record['step']}/{self.total_steps} eval_loss {record['eval_loss']:.4f} over "
+                            f"{record['eval_tokens']} tokens of {record['eval_samples']} samples")
 
     def write(self, record: dict, counts: TokenAccounting) -> None:
         if self.metrics is None:
             return
-        self.metrics.write(json.dumps(record) + "\n")
+        self._line(record)
         self.progress.update(1)
         self.progress.set_postfix(loss=f"{record['loss']:.3f}")
         if record["step"] % self.log_every == 0:

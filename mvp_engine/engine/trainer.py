@@ -36,6 +36,7 @@ from .builders import pretrained_without_weights
 from .checkpoint import Checkpointer, RunState, load_run_state, resolve_resume
 from .config import CONF_DIR, ConfigError, RunSpecs, resolve_run_specs
 from .demo import with_demo_data
+from .evaluation import build_evaluator
 from .flops import batch_flops, device_peak_tflops, recipe_cost_profile
 from .launch import build_accelerator, describe_processes, end_processes
 from .lora import add_adapters, lora_spec, save_adapters
@@ -47,6 +48,7 @@ from .run_data import build_run_dataset, run_data_spec
 from .run_files import RunFiles
 from .sharding import describe_sharding, full_state_dict, is_sharded, load_full_state_dict, own_class, shard_model
 from .step_metrics import StepLog, Throughput, barrier_timing_ms, step_record
+from .trackers import RunTrackers, run_config
 from .train_step import TrainStep, optimizer_and_schedule
 
 
@@ -102,6 +104,7 @@ class Session:
     log: StepLog
     preemption: PreemptionWatch
     throughput: Throughput
+    evaluation: dict | None = None  # the latest eval result (train.eval_every_steps, the end of the run)
 
 
 class Trainer:
@@ -113,9 +116,9 @@ class Trainer:
         run_data_spec(self.specs)  # no sources: one line saying what to do, before any model is built
         self.cfg = cfg
         train = self.specs.train
-        self.accelerator = build_accelerator(train.mixed_precision, train.sharding)
-        set_seed(train.seed)
         self.output_dir = Path(train.output_dir or "outputs/run")
+        self.accelerator = build_accelerator(train.mixed_precision, train.sharding, train.report_to, self.output_dir)
+        set_seed(train.seed)
         self.files = RunFiles(self.output_dir)
         self.resume_from = resolve_resume(train.resume_from, self.output_dir)
         if self.resume_from is not None:
@@ -151,6 +154,8 @@ class Trainer:
                                     self.specs.attention, self.dummy_media, train, self.media_kinds)
         self.total_steps = self.dataset.estimate_total_steps(train.epochs, train.micro_batch_size,
                                                              train.gradient_accumulation_steps)
+        self.evaluator = build_evaluator(self.specs, self.accelerator, self.encoder, self.collator,
+                                         self.train_step.prepare, self.dummy_media, self.media_kinds)
 
     @property
     def bad_records_path(self) -> Path:
@@ -171,10 +176,15 @@ class Trainer:
                                     scheduler, trainable_only=self.lora.enabled)
         progress = Progress.from_state(self._start_state(checkpointer))
         started = time.perf_counter()
-        with self._step_log(progress.state) as log, PreemptionWatch() as preemption:
+        trackers = RunTrackers(self.accelerator, self.specs.train.report_to, self.output_dir, self.recipe.name,
+                               run_config(self.recipe.name, self.specs, self.cfg))
+        with self._step_log(progress.state, trackers) as log, PreemptionWatch() as preemption:
             session = Session(model, optimizer, scheduler, checkpointer, progress, log, preemption, Throughput())
             while progress.state.epoch < self.specs.train.epochs and progress.stopped_by is None:
                 self._train_epoch(session)
+            if progress.stopped_by is None:
+                self._evaluate_at_end(session)
+        trackers.end()
         return self._finish(session, time.perf_counter() - started)
 
     def _report_bad_records_found_before_training(self) -> None:
@@ -231,15 +241,16 @@ class Trainer:
         state.world_size, state.micro_batch_size, state.gradient_accumulation_steps = self._shape()
         return state
 
-    def _step_log(self, state: RunState) -> StepLog:
-        """The step output from ``state`` on: files on the main process only, a progress bar everywhere."""
+    def _step_log(self, state: RunState, trackers: RunTrackers) -> StepLog:
+        """The step output from ``state`` on: files (and trackers) on the main process only, a progress bar
+        everywhere."""
         main = self.accelerator.is_main_process
         bar = tqdm(total=self.total_steps, initial=state.step, disable=not main, desc=f"{self.recipe.name} train")
         metrics = None
         if main:
             metrics = self.files.open_metrics(state)
             self.files.reset_dropped_records(state)
-        return StepLog(metrics, bar, self.total_steps, self.specs.train.log_every)
+        return StepLog(metrics, bar, self.total_steps, self.specs.train.log_every, trackers.log)
 
     def _finish(self, session: Session, seconds: float) -> dict:
         """The summary (every rank takes part in its gathers); the model is saved only when the run completed."""
@@ -252,6 +263,8 @@ class Trainer:
         if barrier_timing is not None:
             summary["barrier_timing"] = barrier_timing
         summary["stopped_by"] = progress.stopped_by
+        if session.evaluation is not None:
+            summary["eval"] = session.evaluation
         if progress.stopped_by is None:
             self._save(session.model, summary)
         elif self.accelerator.is_main_process:
@@ -281,6 +294,8 @@ class Trainer:
                 session.checkpointer.save(state)
                 return
             self._step(session, group, epoch, epoch_steps)
+            if self.evaluator is not None and self.evaluator.due(state.step):  # before a checkpoint of this step
+                self._evaluate(session, epoch)
             if train.save_every_steps and state.step % train.save_every_steps == 0:
                 session.log.note(f"checkpoint: {session.checkpointer.save(state)}")
 
@@ -320,6 +335,25 @@ class Trainer:
             record.update(barrier_timing_ms(ranks.tolist()))
         session.throughput.add(record, counts, seconds)
         session.log.write(record, counts)
+
+    def _evaluate(self, session: Session, epoch: int, log: bool = True) -> None:
+        """The eval loss after this step, on every rank; logged (``metrics.jsonl``, trackers) unless ``log`` is
+        False."""
+        metrics, records = self.evaluator(session.model, desc=f"{self.recipe.name} eval")
+        record = {"step": session.progress.state.step, "epoch": epoch, **metrics}
+        session.evaluation = {**record, "records": records}
+        if log:
+            session.log.write_eval(record)
+
+    def _evaluate_at_end(self, session: Session) -> None:
+        """A run with eval sources ends evaluated: at its last step, unless ``eval_every_steps`` already did (in
+        this session, or before the checkpoint it resumed from: then again, unlogged, for the summary)."""
+        if self.evaluator is None:
+            return
+        state = session.progress.state
+        done_here = session.evaluation is not None and session.evaluation["step"] == state.step
+        if not done_here:
+            self._evaluate(session, max(0, state.epoch - 1), log=not self.evaluator.due(state.step))
 
     def _step_counts(self, group: list[dict]) -> TokenAccounting:
         """The step's token accounting and FLOPs (``flops.batch_flops``), summed over every rank."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -79,6 +79,7 @@ class MLLMDataSpec:
     """
 
     sources: list[str] = field(default_factory=list)
+    eval_sources: list[Any] = field(default_factory=list)  # held-out sources, each planned and packed on its own
     image_root: str | None = None
     packing: MLLMPackingSpec | None = None
     max_seq_len: int = 4096
@@ -95,6 +96,8 @@ class MLLMDataSpec:
     def __post_init__(self) -> None:
         if isinstance(self.sources, str):
             self.sources = [self.sources]
+        if isinstance(self.eval_sources, str):
+            self.eval_sources = [self.eval_sources]
         if self.on_bad_record not in BAD_RECORD_POLICIES:
             raise ValueError(f"data.on_bad_record={self.on_bad_record!r} is invalid: allowed one of "
                              f"{list(BAD_RECORD_POLICIES)}")
@@ -116,6 +119,13 @@ class MLLMDataSpec:
             return self.packing
         return MLLMPackingSpec(max_seq_len=self.max_seq_len, overlong=self.overlong, seed=self.seed,
                                assembler_cls="mvp_engine.kit.mllm.data.assembler.SingleSampleAssembler")
+
+    def eval_spec(self, source: Any) -> MLLMDataSpec:
+        """One eval source as a data spec of its own, planned and packed like the training set (same packing and
+        limits) but in record order and without balancing: an evaluation reads every record once, in a plan that
+        does not depend on the training seed's shuffle."""
+        packing = None if self.packing is None else replace(self.packing, balance="none")
+        return replace(self, sources=[source], eval_sources=[], shuffle=False, packing=packing)
 
 
 def register_configs() -> None:

@@ -1,0 +1,158 @@
+"""Evaluation on held-out sources (``data.eval_sources``), inside a run and stand-alone (``evaluate.py``).
+
+Each eval source is encoded, planned and packed by the DataKit like the training set (same packing, its own plan,
+record order, nothing dropped without being counted), split over the ranks as training is. Its loss is the
+token-weighted mean over the whole source: every rank sums the token losses and the supervised-token counts of its
+packs, the sums are reduced, and only then divided, so the number does not depend on how the tokens were packed,
+on the world size or on the micro-batch.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import gather_object, send_to_device
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from mvp_engine.kit.mllm.data import MLLMDataKit, MLLMSampleEncoder, RecordLedger
+
+from .config import ConfigError, RunSpecs
+from .loss import weighted_token_loss
+from .participation import dummy_passes, forward_with_media_pass
+from .sharding import is_sharded
+
+EVAL_LOSS = "eval_loss"
+
+
+def eval_source_name(source) -> str:
+    """What a source's loss is logged under: its ``name`` (a mapping entry), else its file or folder stem."""
+    if isinstance(source, str):
+        return Path(source).stem
+    name = source.get("name") if hasattr(source, "get") else getattr(source, "name", None)
+    path = source.get("path") if hasattr(source, "get") else getattr(source, "path", None)
+    return str(name) if name else Path(str(path)).stem
+
+
+@dataclass
+class EvalSet:
+    """One eval source and this rank's packs of it."""
+
+    name: str
+    dataset: object  # MLLMPackedDataset | MLLMStreamingPackedDataset
+
+
+def build_eval_sets(specs: RunSpecs, encoder: MLLMSampleEncoder, rank: int, world_size: int) -> list[EvalSet]:
+    """Every ``data.eval_sources`` entry as a dataset of its own, planned now (measuring every record, so a bad
+    record stops or is counted before the first step, as the training set's are)."""
+    names = [eval_source_name(source) for source in specs.data.eval_sources]
+    duplicates = sorted(name for name, n in Counter(names).items() if n > 1)
+    if duplicates:
+        raise ConfigError(f"data.eval_sources: {duplicates} name more than one source: give each a distinct "
+                          "file name (or a distinct name in its mapping)")
+    sets = []
+    for name, source in zip(names, specs.data.eval_sources):
+        dataset = MLLMDataKit.build_dataset(specs.data.eval_spec(source), encoder, rank=rank, world_size=world_size,
+                                            micro_batch_size=specs.train.micro_batch_size)
+        dataset.plan(0)
+        sets.append(EvalSet(name, dataset))
+    return sets
+
+
+class Evaluator:
+    """The eval loss of a model over the eval sets, on every rank (each rank runs its own packs under
+    ``torch.no_grad()``; the sums are reduced)."""
+
+    def __init__(self, accelerator: Accelerator, sets: list[EvalSet], collator, prepare, attention: str,
+                 dummy_media: dict, media_kinds: tuple, micro_batch_size: int, every_steps: int = 0):
+        self.accelerator, self.sets, self.collator, self.prepare = accelerator, sets, collator, prepare
+        self.attention, self.dummy_media, self.media_kinds = attention, dummy_media, media_kinds
+        self.micro_batch_size, self.every_steps = micro_batch_size, every_steps
+
+    def due(self, step: int) -> bool:
+        """``train.eval_every_steps``: after every that many optimizer steps (0: only at the end)."""
+        return bool(self.every_steps) and step % self.every_steps == 0
+
+    def _loader(self, eval_set: EvalSet) -> DataLoader:
+        eval_set.dataset.set_epoch(0)
+        # its own generator: an evaluation must not draw from the global RNG the training continues on
+        return DataLoader(eval_set.dataset, batch_size=self.micro_batch_size, collate_fn=self.collator,
+                          generator=torch.Generator().manual_seed(0))
+
+    def __call__(self, model, desc: str = "eval") -> tuple[dict, dict]:
+        """``(metrics, records)``: ``eval_loss`` (plus ``eval_loss/<name>`` per source when there are several),
+        the supervised tokens, samples and packs evaluated; and each source's record ledger (read == evaluated + dropped
+        + bad). Every rank must call it."""
+        accelerator = self.accelerator
+        loaders = [self._loader(s) for s in self.sets]
+        # per source: weighted loss sum, supervised tokens, samples, packs (rows holding a sample)
+        sums = torch.zeros(len(self.sets), 4, dtype=torch.float64)
+        faults: list[Counter] = [Counter() for _ in self.sets]
+        sharded = is_sharded(model)
+        was_training = model.training
+        model.eval()
+        bar = tqdm(total=sum(len(loader) for loader in loaders), desc=desc, leave=False,
+                   disable=not accelerator.is_main_process)
+        try:
+            with torch.no_grad():
+                for index, loader in enumerate(loaders):
+                    for batch in loader:
+                        bad = batch.pop("bad_records", ())
+                        faults[index].update(b["reason"] for b in bad)
+                        batch = send_to_device(batch, accelerator.device)
+                        # FSDP2 gathers the vision blocks in every forward: every rank runs them alike
+                        passes = dummy_passes(batch, self.media_kinds) if sharded else 0
+                        with accelerator.autocast():
+                            outputs, _ = forward_with_media_pass(model, self.prepare(batch, model, self.attention),
+                                                                 self.dummy_media, passes)
+                        part = weighted_token_loss(outputs.logits, batch["labels"], batch["pack_segment_ids"],
+                                                   "token")
+                        sums[index, 0] += part.weighted_sum.double().cpu()
+                        sums[index, 1] += part.weight_total.double().cpu()
+                        sums[index, 2] += int(batch["source_sample_num"].sum())
+                        sums[index, 3] += int((batch["source_sample_num"] > 0).sum())
+                        bar.update(1)
+        finally:
+            bar.close()
+            model.train(was_training)
+        sums = accelerator.reduce(sums.to(accelerator.device), reduction="sum").cpu()
+        every_rank = gather_object([faults]) if accelerator.num_processes > 1 else [faults]
+        faults = [sum((rank[index] for rank in every_rank), Counter()) for index in range(len(self.sets))]
+        return self._metrics(sums), self._records(sums, faults)
+
+    def _metrics(self, sums: torch.Tensor) -> dict:
+        total = sums.sum(0)
+        metrics = {EVAL_LOSS: float(total[0] / total[1].clamp(min=1e-12)), "eval_tokens": int(total[1]),
+                   "eval_samples": int(total[2]), "eval_packs": int(total[3])}
+        if len(self.sets) > 1:
+            for eval_set, row in zip(self.sets, sums):
+                metrics[f"{EVAL_LOSS}/{eval_set.name}"] = float(row[0] / row[1].clamp(min=1e-12))
+        return metrics
+
+    def _records(self, sums: torch.Tensor, faults: list[Counter]) -> dict:
+        """Each source's ledger: the plan's drops, the bad records found measuring it and, from every rank, those
+        found decoding it."""
+        records = {}
+        for eval_set, row, fault in zip(self.sets, sums, faults):
+            ledger: RecordLedger = eval_set.dataset.epoch_ledger(self.micro_batch_size, 0)
+            ledger.samples_trained = int(row[2])
+            ledger.bad.update(fault)
+            entry = ledger.to_dict()
+            entry.pop("epoch")
+            entry["samples_evaluated"] = entry.pop("samples_trained")
+            records[eval_set.name] = entry
+        return records
+
+
+def build_evaluator(specs: RunSpecs, accelerator: Accelerator, encoder: MLLMSampleEncoder, collator, prepare,
+                    dummy_media: dict, media_kinds: tuple) -> Evaluator | None:
+    """The run's evaluator over ``data.eval_sources`` (None without any)."""
+    if not specs.data.eval_sources:
+        return None
+    sets = build_eval_sets(specs, encoder, accelerator.process_index, accelerator.num_processes)
+    return Evaluator(accelerator, sets, collator, prepare, specs.attention, dummy_media, media_kinds,
+                     specs.train.micro_batch_size, specs.train.eval_every_steps)

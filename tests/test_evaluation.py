@@ -1,0 +1,205 @@
+"""Evaluation on ``data.eval_sources``: inside a run (``train.eval_every_steps`` and the end), after a resume, and
+stand-alone (``recipes.<name>.evaluate``); the eval loss is the token-weighted mean over the whole eval set, so
+packed and unpacked evaluations of one model agree whatever the packing, micro-batch and world size. Trackers:
+``train.report_to=[tensorboard]`` event files read back equal ``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import mvp_engine.engine.testing as kit
+from mvp_engine.engine import trackers
+from mvp_engine.engine.checkpoint import CHECKPOINTS
+from mvp_engine.engine.config import ConfigError, resolve_run_specs
+from mvp_engine.engine.evaluate import EVAL_FILE, evaluate, evaluate_recipe
+from mvp_engine.engine.trainer import run_recipe
+
+RECIPE = "llava"
+EVAL_TOL = 1e-5
+EVERY = 3
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> dict[str, Path]:
+    """A training file and two eval files of their own (7 and 5 records, images and text only)."""
+    root = tmp_path_factory.mktemp("eval_data")
+    train = kit.write_mixed_jsonl(root / "train", num_records=15)
+    sources = {}
+    for name, count in (("held_a", 7), ("held_b", 5)):
+        written = kit.write_mixed_jsonl(root / name, num_records=count)
+        sources[name] = written.rename(written.with_name(f"{name}.jsonl"))
+    return {"train": train, **sources}
+
+
+def eval_sources(data) -> str:
+    return f"data.eval_sources=[{data['held_a']},{data['held_b']}]"
+
+
+def run_overrides(data, out: Path, *extra: str) -> list[str]:
+    return [f"data.sources=[{data['train']}]", eval_sources(data), f"train.output_dir={out}", "data.max_seq_len=160",
+            "+packing=greedy", "train.epochs=2", "train.micro_batch_size=1", "train.learning_rate=5e-3",
+            f"train.eval_every_steps={EVERY}", "train.keep_last=100", *extra]
+
+
+def train(overrides: list[str]) -> dict:
+    return run_recipe(kit.compose_config(RECIPE, overrides), kit.load_recipe(RECIPE))
+
+
+@pytest.fixture(scope="module")
+def reference(data, tmp_path_factory) -> Path:
+    """An uninterrupted run evaluating every 3 steps, with a checkpoint after every step and TensorBoard."""
+    out = tmp_path_factory.mktemp("eval_reference")
+    train(run_overrides(data, out, "train.save_every_steps=1", "train.report_to=[tensorboard]"))
+    return out
+
+
+def eval_lines(metrics: list[dict]) -> list[dict]:
+    return [m for m in metrics if "eval_loss" in m]
+
+
+def test_a_run_evaluates_every_n_steps_and_at_its_end(reference, data):
+    metrics, summary = kit.read_metrics(reference), kit.read_summary(reference)
+    steps = summary["actual_steps"]
+    assert steps % EVERY, "the last step is not an eval step: the end adds one"
+    evals = eval_lines(metrics)
+    assert [m["step"] for m in evals] == [*range(EVERY, steps + 1, EVERY), steps]
+    for line in evals:
+        assert line["eval_samples"] == 12 and line["eval_tokens"] > 0
+        assert set(line) >= {"eval_loss/held_a", "eval_loss/held_b"}
+        # the overall loss is the token-weighted mean of the two sources' losses: between them
+        assert min(line["eval_loss/held_a"], line["eval_loss/held_b"]) <= line["eval_loss"] <= \
+            max(line["eval_loss/held_a"], line["eval_loss/held_b"])
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"], "training lowers the held-out loss"
+    final = summary["eval"]
+    assert {k: final[k] for k in evals[-1]} == evals[-1]
+    assert final["records"] == {name: {"records_read": n, "dropped": {}, "bad": {}, "truncated": 0,
+                                       "reconciles": True, "samples_evaluated": n}
+                                for name, n in (("held_a", 7), ("held_b", 5))}
+
+
+def test_evaluating_leaves_the_training_unchanged(reference, data, tmp_path):
+    """The eval loader has its own generator and the model evaluates in eval mode: the train lines of a run
+    without eval sources are the reference's train lines, exactly."""
+    overrides = [o for o in run_overrides(data, tmp_path) if not o.startswith("data.eval_sources")]
+    train(overrides)
+    trained = [m for m in kit.read_metrics(reference) if "eval_loss" not in m]
+    assert kit.read_metrics(tmp_path) == trained
+    assert "eval" not in kit.read_summary(tmp_path)
+
+
+@pytest.mark.parametrize("at", ["an eval step", "between eval steps"])
+def test_a_resumed_run_evaluates_where_the_uninterrupted_one_did(reference, data, tmp_path, at):
+    """From a checkpoint taken after an evaluation (the evaluation comes first) and from one between two."""
+    step = 2 * EVERY if at == "an eval step" else 2 * EVERY + 1
+    checkpoint = reference / CHECKPOINTS / f"step_{step:08d}"
+    train(run_overrides(data, tmp_path, f"train.resume_from={checkpoint}"))
+    expected = [m for m in kit.read_metrics(reference) if m["step"] > step]
+    assert kit.read_metrics(tmp_path) == expected
+    assert kit.read_summary(tmp_path)["eval"] == kit.read_summary(reference)["eval"]
+
+
+def test_tensorboard_event_files_hold_what_metrics_jsonl_holds(reference, data):
+    runs = list((reference / "tensorboard").iterdir())
+    assert [run.name for run in runs] == [RECIPE]
+    events = EventAccumulator(str(runs[0]))
+    events.Reload()
+    metrics = json.loads("[" + ",".join((reference / "metrics.jsonl").read_text().splitlines()) + "]")
+    expected: dict[str, list[tuple[int, float]]] = {}
+    for line in metrics:
+        for key, value in trackers.scalars(line).items():
+            expected.setdefault(key, []).append((line["step"], value))
+    assert set(events.Tags()["scalars"]) == set(expected)
+    for key, points in expected.items():
+        logged = [(e.step, e.value) for e in events.Scalars(key)]
+        assert [s for s, _ in logged] == [s for s, _ in points], key
+        for (_, value), (_, want) in zip(logged, points):
+            assert math.isclose(value, want, rel_tol=1e-6, abs_tol=1e-9), (key, value, want)  # stored as float32
+    (hparams,) = runs[0].rglob("hparams.yml")  # the run config, as accelerate's TensorBoard tracker stores it
+    config = yaml.safe_load(hparams.read_text())
+    assert config["train.learning_rate"] == 5e-3 and config["train.eval_every_steps"] == EVERY
+    assert config["data.eval_sources"] == str([str(data["held_a"]), str(data["held_b"])])
+
+
+def stand_alone(model_dir: Path, data, out: Path, *extra: str) -> dict:
+    cfg = kit.compose_config(RECIPE, [f"model.pretrained={model_dir}", eval_sources(data), f"train.output_dir={out}",
+                                      "data.max_seq_len=160", *extra])
+    result = evaluate(cfg, kit.load_recipe(RECIPE))
+    assert json.loads((out / EVAL_FILE).read_text()) == result
+    return result
+
+
+def test_packed_evaluation_gives_the_unpacked_loss_whatever_the_packing_and_micro_batch(reference, data, tmp_path):
+    """The trained model of the reference, evaluated padded one by one, padded 3 at a time, greedy-packed 2 packs
+    at a time and bfd-packed: the same eval loss (<= 1e-5), per source too; the run's own last evaluation too."""
+    model_dir = reference / "model"
+    runs = {name: stand_alone(model_dir, data, tmp_path / name, *extra) for name, extra in {
+        "padded_1": ["train.micro_batch_size=1"], "padded_3": ["train.micro_batch_size=3"],
+        "greedy_2": ["+packing=greedy", "train.micro_batch_size=2"],
+        "bfd_1": ["+packing=bfd", "train.micro_batch_size=1"]}.items()}
+    assert runs["padded_1"]["eval_packs"] == 12 and runs["greedy_2"]["eval_packs"] < 12 and \
+        runs["bfd_1"]["eval_packs"] < 12, "packing put several samples in a row"
+    base = runs["padded_1"]
+    for name, result in runs.items():
+        assert result["eval_tokens"] == base["eval_tokens"] and result["eval_samples"] == 12, name
+        for key in ("eval_loss", "eval_loss/held_a", "eval_loss/held_b"):
+            assert abs(result[key] - base[key]) <= EVAL_TOL, (name, key, result[key], base[key])
+    assert abs(kit.read_summary(reference)["eval"]["eval_loss"] - base["eval_loss"]) <= EVAL_TOL
+
+
+def test_two_processes_evaluate_what_one_does(reference, data, tmp_path):
+    """``torchrun`` with 2 gloo ranks, each evaluating its half of the packs, and the sums reduced."""
+    one = stand_alone(reference / "model", data, tmp_path / "one", "+packing=greedy", "train.micro_batch_size=1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "-m", f"recipes.{RECIPE}.evaluate"]
+    kit.launch(RECIPE, tmp_path / "two", [f"model.pretrained={reference / 'model'}", eval_sources(data),
+                                          "data.max_seq_len=160", "+packing=greedy", "train.micro_batch_size=1"],
+               command=command)
+    two = json.loads((tmp_path / "two" / EVAL_FILE).read_text())
+    assert two["world_size"] == 2 and two["eval_samples"] == 12 and two["eval_tokens"] == one["eval_tokens"]
+    for key in ("eval_loss", "eval_loss/held_a", "eval_loss/held_b"):
+        assert abs(two[key] - one[key]) <= EVAL_TOL, (key, two[key], one[key])
+
+
+def test_evaluate_without_eval_sources_stops_with_one_line(tmp_path, capsys):
+    cfg = kit.compose_config(RECIPE, [f"train.output_dir={tmp_path}"])
+    with pytest.raises(SystemExit):
+        evaluate_recipe(cfg, kit.load_recipe(RECIPE))
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("config error: data.eval_sources is empty")
+
+
+def test_two_eval_sources_of_one_name_are_refused_with_one_line(data, tmp_path):
+    twin = tmp_path / "twin"
+    twin.mkdir()
+    shutil.copy(data["held_a"], twin / "held_a.jsonl")
+    cfg = kit.compose_config(RECIPE, [f"data.eval_sources=[{data['held_a']},{twin / 'held_a.jsonl'}]",
+                                      f"train.output_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"data.eval_sources: \['held_a'\] name more than one source"):
+        evaluate(cfg, kit.load_recipe(RECIPE))
+
+
+@pytest.mark.parametrize("override,line", [
+    ("train.report_to=[tensorbored]", r"train.report_to: 'tensorbored' is unknown"),
+    ("train.report_to=[tensorboard,tensorboard]", r"train.report_to=.* names a tracker twice"),
+    ("train.eval_every_steps=-1", r"train.eval_every_steps=-1 is invalid"),
+    ("data.eval_sources=[/nonexistent/held.jsonl]", r"data.eval_sources: "),
+])
+def test_bad_eval_and_tracker_settings_fail_naming_the_key(override, line):
+    with pytest.raises(ConfigError, match=line):
+        resolve_run_specs(kit.compose_config(RECIPE, [override]), kit.load_recipe(RECIPE).attention_backends)
+
+
+@pytest.mark.parametrize("name", ["wandb", "mlflow"])
+def test_a_tracker_whose_package_is_missing_names_the_pip_install(monkeypatch, name):
+    monkeypatch.setattr(trackers, "installed", lambda package: package != name)
+    with pytest.raises(ConfigError, match=rf"^train.report_to: '{name}' needs the {name} package: pip install {name}$"):
+        resolve_run_specs(kit.compose_config(RECIPE, [f"train.report_to=[{name}]"]),
+                          kit.load_recipe(RECIPE).attention_backends)
