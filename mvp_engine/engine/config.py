@@ -56,11 +56,13 @@ class TrainSpec:
     time_barrier: bool = False  # time each rank's compute and its wait at a barrier before the optimizer step
     sharding: str = "none"  # none: DDP (replicated model); fsdp2: torch's FSDP2 over the ranks (sharding.py)
     activation_checkpointing: bool = False  # recompute each decoder layer and vision block in backward (recompute.py)
+    context_parallel_size: int = 1  # CP ranks sharing each packed row (Ulysses; context_parallel.py); DP = world / it
     eval_every_steps: int = 0  # evaluate data.eval_sources every that many optimizer steps; 0: at the end only
     report_to: list[str] = field(default_factory=list)  # trackers: tensorboard, wandb, mlflow (trackers.py)
 
     def __post_init__(self) -> None:
-        for name in ("epochs", "micro_batch_size", "gradient_accumulation_steps", "log_every", "keep_last"):
+        for name in ("epochs", "micro_batch_size", "gradient_accumulation_steps", "log_every", "keep_last",
+                     "context_parallel_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"train.{name}={getattr(self, name)!r} is invalid: allowed an int >= 1")
         for name in ("num_workers", "save_every_steps", "seed", "eval_every_steps"):

@@ -4,6 +4,10 @@ Every reduction is a weighted sum over supervised tokens divided by the sum of t
 optimizer step (all micro-batches, all ranks): ``token`` weighs each token 1, ``sample`` weighs a sample's
 tokens 1/n so each sample counts once, ``square`` (InternVL) weighs them 1/sqrt(n). Since no sample spans two
 micro-batches, weights are known per micro-batch and only the denominator needs the whole step.
+
+Under context parallelism a rank holds the logits of a chunk ``[start, end)`` of every row (``span``): position q
+predicts token q + 1 whether or not q + 1 is on the same rank (every rank has the whole rows' labels), the row's last
+position predicts nothing, and the weights are those of the whole rows (a sample's count spans chunks).
 """
 
 from __future__ import annotations
@@ -26,14 +30,16 @@ class WeightedTokenLoss:
     weight_total: torch.Tensor
 
 
-def token_weights(labels: torch.Tensor, segment_ids: torch.Tensor, reduction: str) -> torch.Tensor:
-    """Per-target-token weights (shape ``[B, L-1]``, zero where unsupervised) for the shifted labels."""
+def token_weights(labels: torch.Tensor, segment_ids: torch.Tensor, reduction: str,
+                  span: tuple[int, int] | None = None) -> torch.Tensor:
+    """Per-target-token weights (shape ``[B, L-1]``, zero where unsupervised) for the shifted labels; with
+    ``span``, those of the logits at positions ``[start, end)`` (``[B, end - start]``)."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"train.loss_reduction={reduction!r} is invalid: allowed one of {list(REDUCTIONS)}")
     targets = labels[:, 1:]
     supervised = (targets != IGNORE_INDEX).to(torch.float64)
     if reduction == "token" or supervised.numel() == 0:  # an all-padding row can be one token wide
-        return supervised
+        return _in_span(supervised, span, 0.0)
     width = segment_ids.shape[1]
     rows = torch.arange(segment_ids.shape[0], device=segment_ids.device).unsqueeze(1)
     owner = (rows * (width + 1) + segment_ids[:, 1:] + 1).reshape(-1)  # one id per (row, segment)
@@ -41,14 +47,21 @@ def token_weights(labels: torch.Tensor, segment_ids: torch.Tensor, reduction: st
     counts.index_add_(0, owner, supervised.reshape(-1))
     per_token_count = counts[owner].reshape(supervised.shape).clamp(min=1.0)
     scale = per_token_count if reduction == "sample" else per_token_count.sqrt()
-    return supervised / scale
+    return _in_span(supervised / scale, span, 0.0)
+
+
+def _in_span(per_target: torch.Tensor, span: tuple[int, int] | None, last) -> torch.Tensor:
+    """``per_target`` (one column per position 0 .. L-2) at positions ``span``, ``last`` at position L-1."""
+    return per_target if span is None else F.pad(per_target, (0, 1), value=last)[:, span[0]:span[1]]
 
 
 def weighted_token_loss(logits: torch.Tensor, labels: torch.Tensor, segment_ids: torch.Tensor,
-                        reduction: str) -> WeightedTokenLoss:
-    """Cross-entropy of next-token prediction, summed with the reduction's weights."""
-    weights = token_weights(labels, segment_ids, reduction)
-    targets = labels[:, 1:].clamp(min=0)
-    per_token = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                        reduction: str, span: tuple[int, int] | None = None) -> WeightedTokenLoss:
+    """Cross-entropy of next-token prediction, summed with the reduction's weights; ``span``: ``logits`` are those
+    of positions ``[start, end)`` of the rows (a CP rank's chunk)."""
+    weights = token_weights(labels, segment_ids, reduction, span)
+    targets = _in_span(labels[:, 1:], span, IGNORE_INDEX).clamp(min=0)
+    predicting = logits[:, :-1] if span is None else logits
+    per_token = F.cross_entropy(predicting.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                 reduction="none").reshape(targets.shape)
     return WeightedTokenLoss((per_token * weights.to(per_token.dtype)).sum(), weights.sum())

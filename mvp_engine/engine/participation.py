@@ -17,7 +17,7 @@ AdamW skips a parameter whose gradient is None but applies momentum and weight d
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
 
@@ -128,22 +128,34 @@ def dummy_media_loss(model, dummy_inputs: dict) -> torch.Tensor:
     return total * 0.0
 
 
-def forward_with_media_pass(model, kwargs: Mapping, dummy_inputs: dict, passes: int):
+def forward_with_media_pass(model, kwargs: Mapping, dummy_inputs: dict, passes: int,
+                            encode: Callable[[torch.nn.Module], tuple[dict, torch.Tensor | None]] | None = None):
     """``model(**kwargs)`` and, when ``passes`` (:func:`dummy_passes`) is not 0, the zero loss of that many dummy
-    media passes (else None).
+    media passes (else None). ``encode`` (context parallelism: ``sequence_media.encode_media_shares``) runs in the
+    same place and hands the model its ``mm_encoder_outputs`` (plus any zero loss of its own dummy passes).
 
     The pass is a forward pre-hook of the transformers model, so it runs inside the forward of any wrapper (DDP,
     FSDP2) and before the language model, as a real image's encoder pass does: FSDP2's own pre-hook (registered
     first, with ``prepend``) has gathered the root's parameters, and the vision blocks are gathered in the same
     order on every rank, before the decoder layers, whether the rank's micro-batch has media or not.
     """
-    if not passes:
+    if not passes and encode is None:
         return model(**kwargs), None
     losses = []
-    hook = unwrap_model(model).register_forward_pre_hook(
-        lambda module, args: losses.append(sum(dummy_media_loss(module, dummy_inputs) for _ in range(passes))))
+
+    def before_forward(module, args, module_kwargs):
+        if passes:
+            losses.append(sum(dummy_media_loss(module, dummy_inputs) for _ in range(passes)))
+        if encode is not None:
+            encoder_outputs, zero = encode(module)
+            module_kwargs = {**module_kwargs, "mm_encoder_outputs": encoder_outputs}
+            if zero is not None:
+                losses.append(zero)
+        return args, module_kwargs
+
+    hook = unwrap_model(model).register_forward_pre_hook(before_forward, with_kwargs=True)
     try:
         outputs = model(**kwargs)
     finally:
         hook.remove()
-    return outputs, losses[0]
+    return outputs, (sum(losses) if losses else None)

@@ -15,8 +15,10 @@ from accelerate.utils import send_to_device
 from transformers import get_scheduler
 
 from mvp_engine.kit.mllm.data.media import IMAGES, MediaKind
+from mvp_engine.packing import SequenceShard
 
 from .config import TrainSpec
+from .context_parallel import sequence_parallel_forward
 from .loss import token_weights, weighted_token_loss
 from .participation import dummy_passes, forward_with_media_pass
 from .sharding import clip_grad_norm_, is_sharded
@@ -44,6 +46,19 @@ class TrainStep:
     dummy_media: dict
     train: TrainSpec
     media_kinds: tuple[MediaKind, ...] = (IMAGES,)
+    shard: SequenceShard | None = None  # context parallelism: this rank's chunk of every row (context_parallel.py)
+
+    def span(self, batch: dict) -> tuple[int, int] | None:
+        """The positions of the rows this rank computes the loss of (None: all of them)."""
+        return None if self.shard is None else self.shard.span(batch["input_ids"].shape[-1])
+
+    def forward(self, model, batch: dict):
+        """The model's outputs on ``batch`` (this rank's chunk under context parallelism) and the zero loss of
+        any dummy media passes."""
+        kwargs, passes = self.prepare(batch, model, self.attention), dummy_passes(batch, self.media_kinds)
+        if self.shard is None:
+            return forward_with_media_pass(model, kwargs, self.dummy_media, passes)
+        return sequence_parallel_forward(model, kwargs, self.shard, self.media_kinds, self.dummy_media, passes)
 
     def __call__(self, group: list[dict], model, optimizer,
                  scheduler) -> tuple[float, float, tuple[float, float] | None]:
@@ -59,7 +74,7 @@ class TrainStep:
         are returned; the update is the same (the mean of the ranks' gradients).
         """
         accelerator, reduction, timed = self.accelerator, self.train.loss_reduction, self.train.time_barrier
-        local = sum(token_weights(b["labels"], b["pack_segment_ids"], reduction).sum() for b in group)
+        local = sum(token_weights(b["labels"], b["pack_segment_ids"], reduction, self.span(b)).sum() for b in group)
         total = accelerator.reduce(torch.as_tensor(local, device=accelerator.device, dtype=torch.float64),
                                    reduction="sum")
         denominator = total.clamp(min=1e-12)
@@ -73,9 +88,9 @@ class TrainStep:
             sync = sharded or index == len(group) - 1 and not timed
             context = accelerator.no_sync(model) if not sync else nullcontext()
             with context:
-                outputs, dummy = forward_with_media_pass(model, self.prepare(batch, model, self.attention),
-                                                         self.dummy_media, dummy_passes(batch, self.media_kinds))
-                part = weighted_token_loss(outputs.logits, batch["labels"], batch["pack_segment_ids"], reduction)
+                outputs, dummy = self.forward(model, batch)
+                part = weighted_token_loss(outputs.logits, batch["labels"], batch["pack_segment_ids"], reduction,
+                                           self.span(batch))
                 loss = part.weighted_sum / denominator * accelerator.num_processes
                 if dummy is not None:
                     loss = loss + dummy

@@ -35,6 +35,7 @@ from mvp_engine.kit.mllm.data.steps import estimate_total_steps
 from .builders import pretrained_without_weights
 from .checkpoint import Checkpointer, RunState, load_run_state, resolve_resume
 from .config import CONF_DIR, ConfigError, RunSpecs, resolve_run_specs
+from .context_parallel import build_layout, make_sequence_parallel, row_multiple
 from .demo import with_demo_data
 from .evaluation import build_evaluator
 from .flops import batch_flops, device_peak_tflops, recipe_cost_profile
@@ -119,6 +120,7 @@ class Trainer:
         self.output_dir = Path(train.output_dir or "outputs/run")
         self.accelerator = build_accelerator(train.mixed_precision, train.sharding, train.report_to, self.output_dir)
         set_seed(train.seed)
+        self.layout = build_layout(self.accelerator, train.context_parallel_size, self.specs.data.packing is not None)
         self.files = RunFiles(self.output_dir)
         self.resume_from = resolve_resume(train.resume_from, self.output_dir)
         if self.resume_from is not None:
@@ -134,6 +136,7 @@ class Trainer:
         # LoRA adapters (lora.py) before recomputation and freezing, which then see them as ordinary layers
         self.lora = lora_spec(cfg.model)
         self.model = add_adapters(self.model, self.lora, int(cfg.model.get("seed") or 0))
+        self.model = make_sequence_parallel(self.model, self.layout)
         if train.activation_checkpointing:  # before any sharding wraps the layers (recompute.py)
             enable_activation_checkpointing(self.model)
         self.parameters = freeze_parameters(self.model, cfg.model.get("freeze") or [],
@@ -144,14 +147,14 @@ class Trainer:
         self.peak_tflops, self.peak_source = device_peak_tflops(train.peak_tflops, train.mixed_precision,
                                                                 self.accelerator.device)
         self.dataset = build_run_dataset(self.specs, self.encoder, self.cost_profile,
-                                         rank=self.accelerator.process_index,
-                                         world_size=self.accelerator.num_processes)
+                                         rank=self.layout.dp_rank, world_size=self.layout.dp_size)
         self.bad_records = self.dataset.bad_records
-        self.collator = MLLMCollator(recipe.pad_token_id(self.processor), train.pad_to_multiple_of)
+        self.collator = MLLMCollator(recipe.pad_token_id(self.processor),
+                                     row_multiple(train.pad_to_multiple_of, self.layout.cp_size))
         self.packed = self.specs.data.packing is not None
         self.media_kinds = media_kinds(self.model)
         self.train_step = TrainStep(self.accelerator, recipe.prepare_packed if self.packed else recipe.prepare_padded,
-                                    self.specs.attention, self.dummy_media, train, self.media_kinds)
+                                    self.specs.attention, self.dummy_media, train, self.media_kinds, self.layout.shard)
         self.total_steps = self.dataset.estimate_total_steps(train.epochs, train.micro_batch_size,
                                                              train.gradient_accumulation_steps)
         self.evaluator = build_evaluator(self.specs, self.accelerator, self.encoder, self.collator,
@@ -164,7 +167,7 @@ class Trainer:
     def _shape(self) -> tuple[int, int, int]:
         """How each step's packs are split over ranks and micro-batches: a resume must keep their product."""
         train = self.specs.train
-        return self.accelerator.num_processes, train.micro_batch_size, train.gradient_accumulation_steps
+        return self.layout.dp_size, train.micro_batch_size, train.gradient_accumulation_steps
 
     # --- the run: start, epochs, finish --------------------------------------------------------------------------
 
@@ -302,7 +305,7 @@ class Trainer:
     def _epoch_steps(self, epoch: int) -> int:
         train = self.specs.train
         return estimate_total_steps([len(self.dataset.plan(epoch).packs)], train.micro_batch_size,
-                                    train.gradient_accumulation_steps, self.accelerator.num_processes, train.drop_last)
+                                    train.gradient_accumulation_steps, self.layout.dp_size, train.drop_last)
 
     def _loader(self, epoch: int, rank_packs_done: int = 0) -> DataLoader:
         """This rank's packs of ``epoch`` from its ``rank_packs_done``-th on: a step count times the packs each rank
@@ -361,6 +364,8 @@ class Trainer:
         flops = [batch_flops(self.cost_profile, b, self.specs.attention, self.dummy_media, self.packed,
                              dummy_passes(b, self.media_kinds)) for b in group]
         local.model_flops, local.executed_flops = sum(c.useful for c in flops), sum(c.executed for c in flops)
+        if not self.layout.counts_rows:  # the rows of a CP group are counted once, by its first rank
+            local = TokenAccounting()
         return TokenAccounting.from_tensor(self.accelerator.reduce(local.as_tensor().to(self.accelerator.device),
                                                                    reduction="sum").cpu())
 
@@ -395,6 +400,7 @@ class Trainer:
             "packing": None if not self.packed else self.specs.data.packing.strategy,
             "attention": self.specs.attention,
             "world_size": self.accelerator.num_processes,
+            "context_parallel_size": self.layout.cp_size,
             "sharding": self.specs.train.sharding,
             "activation_checkpointing": self.specs.train.activation_checkpointing,
             "lora": self.lora.to_dict() if self.lora.enabled else None,

@@ -1,6 +1,6 @@
 """Generic, model-free helpers for running packed batches through transformers models."""
 
-from . import varlen_sdpa  # noqa: F401  (registers the sdpa_varlen backend with transformers)
+from . import ulysses, varlen_sdpa  # noqa: F401  (register sdpa_varlen and ulysses_<backend> with transformers)
 from .attention import (
     FORBIDDEN_MODEL_KWARGS,
     attention_mask_for,
@@ -45,6 +45,8 @@ from .linear_attention import (
 from .mask_forms import SpanMasks, block_mask, dense_mask, packed_predicate, span_masks
 from .masks import Predicate, causal, same_block, same_segment, sliding_window
 from .segments import flash_varlen_kwargs, row_segments, segment_positions, segment_run_ids, validate_segment_ids
+from .sequence_parallel import SequenceShard, local_model_kwargs, sequence_shard, set_sequence_shard
+from .ulysses import enable_ulysses, inner_backend
 from .unwrap import unwrap_model
 
 __all__ = [
@@ -62,6 +64,7 @@ __all__ = [
     "FORBIDDEN_MODEL_KWARGS",
     "SDPA_VARLEN",
     "Predicate",
+    "SequenceShard",
     "SpanMasks",
     "attention_mask_for",
     "block_causal_mask",
@@ -69,6 +72,7 @@ __all__ = [
     "causal",
     "dense_mask",
     "enable_linear_attention_packing",
+    "enable_ulysses",
     "ensure_linear_attention_boundaries",
     "check_media_placement",
     "check_model_backend",
@@ -80,11 +84,13 @@ __all__ = [
     "flash_varlen_kwargs",
     "flex_block_mask",
     "has_linear_attention",
+    "inner_backend",
     "is_block_mask",
     "is_flash",
     "language_model_attn_implementation",
     "layer_masks",
     "linear_attention_enabled",
+    "local_model_kwargs",
     "media_owners",
     "packed_inputs",
     "packed_attention_kwargs",
@@ -96,6 +102,8 @@ __all__ = [
     "same_segment",
     "segment_positions",
     "segment_run_ids",
+    "sequence_shard",
+    "set_sequence_shard",
     "sliding_window",
     "span_masks",
     "sub_model_attention",

@@ -29,15 +29,17 @@ from .layer_types import LAYER_TYPES, has_layer_types, layer_predicates
 from .linear_attention import BOUNDARIES, ensure_linear_attention_boundaries, has_linear_attention
 from .masks import Predicate
 from .segments import flash_varlen_kwargs, segment_positions, validate_segment_ids
+from .ulysses import inner_backend
 from .unwrap import unwrap_model
 
 
 def language_model_attn_implementation(model) -> str:
     """The attention implementation of the part that reads the packed mask: the text config's when the model has
-    one (a vision tower may run another backend), else the model's own."""
+    one (a vision tower may run another backend), else the model's own; under context parallelism the backend
+    Ulysses runs on the whole row (the mask format is that backend's)."""
     config = unwrap_model(model).config
     text_config = getattr(config, "text_config", None)
-    return (text_config or config)._attn_implementation
+    return inner_backend((text_config or config)._attn_implementation)
 
 
 def check_model_backend(model, attn_implementation: str) -> None:

@@ -55,6 +55,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .sequence_parallel import all_to_all, sequence_shard
 from .unwrap import unwrap_model
 
 LINEAR_ATTENTION = "linear_attention"  # the layer_types entry of a linear-attention layer
@@ -120,12 +121,7 @@ def _reference(original: Callable, name: str) -> Callable:
 def _varlen_conv1d(original: Callable) -> Callable:
     reference = _reference(original, CONV)
 
-    @functools.wraps(original)
-    def conv1d(hidden_states, weight, bias=None, activation=None, **kwargs):
-        bounds = kwargs.pop(BOUNDARIES, None)
-        bounds = kwargs.pop("cu_seqlens", None) if bounds is None else bounds
-        if bounds is None:
-            return original(hidden_states, weight, bias, activation=activation, **kwargs)
+    def per_sample(hidden_states, weight, bias, activation, bounds):
         batch, channels, length = hidden_states.shape
         spans = _spans(bounds, batch * length)
         flat = hidden_states.transpose(0, 1).reshape(channels, batch * length)
@@ -139,6 +135,22 @@ def _varlen_conv1d(original: Callable) -> Callable:
         out = reference(laid[None], weight, bias, activation=activation)[0].index_select(1, where)
         return out.reshape(channels, batch, length).transpose(0, 1)
 
+    @functools.wraps(original)
+    def conv1d(hidden_states, weight, bias=None, activation=None, **kwargs):
+        bounds = kwargs.pop(BOUNDARIES, None)
+        bounds = kwargs.pop("cu_seqlens", None) if bounds is None else bounds
+        if bounds is None:
+            return original(hidden_states, weight, bias, activation=activation, **kwargs)
+        shard = sequence_shard()
+        if shard is None or shard.size == 1:
+            return per_sample(hidden_states, weight, bias, activation, bounds)
+        # context parallelism: the conv is depthwise, so any split of its channels runs alone; 1/N of them over
+        # the whole row (its boundaries), then back to this rank's tokens
+        whole = all_to_all(hidden_states, scatter_dim=1, gather_dim=2, shard=shard)
+        mine = [None if t is None else t.chunk(shard.size, dim=0)[shard.rank] for t in (weight, bias)]
+        out = per_sample(whole, mine[0], mine[1], activation, bounds)
+        return all_to_all(out, scatter_dim=2, gather_dim=1, shard=shard)
+
     setattr(conv1d, _MARK, True)
     return conv1d
 
@@ -146,16 +158,7 @@ def _varlen_conv1d(original: Callable) -> Callable:
 def _varlen_chunk_rule(original: Callable) -> Callable:
     reference = _reference(original, CHUNK_RULE)
 
-    @functools.wraps(original)
-    def chunk_rule(query, key, value, g, beta, chunk_size: int = 64, initial_state=None,
-                   output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False, cu_seqlens=None,
-                   **kwargs):
-        if cu_seqlens is None:
-            return original(query, key, value, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state,
-                            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                            **kwargs)
-        if initial_state is not None:
-            raise ValueError("linear attention: packed samples start from a zero state; got an initial_state")
+    def per_sample(query, key, value, g, beta, chunk_size, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
         batch, length = query.shape[:2]
         spans = _spans(cu_seqlens, batch * length)
         sizes = [b - a for a, b in spans]
@@ -177,6 +180,28 @@ def _varlen_chunk_rule(original: Callable) -> Callable:
                 states[i] = None if state is None else state[j]
         out = torch.cat(outputs).reshape(batch, length, *outputs[0].shape[1:])
         return out, (torch.stack(states) if output_final_state else None)  # per sample, as fla returns them
+
+    @functools.wraps(original)
+    def chunk_rule(query, key, value, g, beta, chunk_size: int = 64, initial_state=None,
+                   output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False, cu_seqlens=None,
+                   **kwargs):
+        if cu_seqlens is None:
+            return original(query, key, value, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state,
+                            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                            **kwargs)
+        if initial_state is not None:
+            raise ValueError("linear attention: packed samples start from a zero state; got an initial_state")
+        shard = sequence_shard()
+        if shard is None or shard.size == 1:
+            return per_sample(query, key, value, g, beta, chunk_size, output_final_state, use_qk_l2norm_in_kernel,
+                              cu_seqlens)
+        if output_final_state:
+            raise ValueError("linear attention under context parallelism keeps no final state (training only)")
+        # context parallelism: the delta rule runs per head, so 1/N of the heads over the whole row (key heads and
+        # value heads split alike: the reference repeats key head i for value heads i*r .. i*r + r - 1)
+        whole = [all_to_all(t, scatter_dim=2, gather_dim=1, shard=shard) for t in (query, key, value, g, beta)]
+        out, _ = per_sample(*whole, chunk_size, False, use_qk_l2norm_in_kernel, cu_seqlens)
+        return all_to_all(out, scatter_dim=1, gather_dim=2, shard=shard), None
 
     setattr(chunk_rule, _MARK, True)
     return chunk_rule

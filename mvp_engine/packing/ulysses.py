@@ -1,0 +1,102 @@
+"""Ulysses attention: every attention layer of a sequence-parallel language model runs its own packed backend on the
+whole row, for 1/N of the heads.
+
+Hooked through transformers' attention-function registry, not by copying model code: for each backend ``b`` a
+function ``ulysses_<b>`` is registered that turns (local tokens, all heads) into (all tokens, H/N heads) with one
+all-to-all per query / key / value, calls ``b`` exactly as the model would have (the whole row's block-causal
+mask, ``SpanMasks``, ``BlockMask`` or ``cu_seq_lens``, all built from the whole row's ``pack_segment_ids``), and
+turns the output back with a second all-to-all. Positions were applied before the call (RoPE / M-RoPE rotate q
+and k per token, from the whole row's positions sliced to the chunk), so per-head attention on the gathered row is
+exactly the unsplit computation. :func:`enable_ulysses` points the language model's config at it.
+
+Why not torch's ``context_parallel`` (what accelerate's ``ParallelismConfig(cp_size=...)`` applies): it shards
+ring attention over SDPA with no CPU strategy (measured in torch 2.13: no dispatch on CPU) and takes only
+``is_causal``, not a packed row's block-causal mask; DeepSpeed's Ulysses (accelerate's ``sp_backend="deepspeed"``)
+is the same registry hook as this one but needs DeepSpeed and CUDA.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from . import varlen_sdpa  # noqa: F401  (sdpa_varlen's functions are registered before they are wrapped)
+from .backends import ATTENTION_BACKENDS
+from .sequence_parallel import SequenceShard, all_to_all, sequence_shard, set_sequence_shard
+from .unwrap import unwrap_model
+
+PREFIX = "ulysses_"
+
+
+def inner_backend(attn_implementation: str | None) -> str | None:
+    """The backend a ``ulysses_<b>`` name runs per head (any other name is its own)."""
+    if attn_implementation and attn_implementation.startswith(PREFIX):
+        return attn_implementation[len(PREFIX):]
+    return attn_implementation
+
+
+def _backend_function(module, backend: str):
+    """What the model itself would call: its own modeling module's eager function, or the registry's entry."""
+    if backend == "eager":
+        return sys.modules[type(module).__module__].eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[backend]
+
+
+def _ulysses(backend: str):
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        """(B, H, L/N, D) query / key / value in, (B, L/N, H, D) out, like every transformers backend."""
+        inner = _backend_function(module, backend)
+        shard = sequence_shard()
+        if shard is None or shard.size == 1:
+            return inner(module, query, key, value, attention_mask, **kwargs)
+        query, key, value = (all_to_all(t, scatter_dim=1, gather_dim=2, shard=shard) for t in (query, key, value))
+        out, _ = inner(module, query, key, value, attention_mask, **kwargs)  # (B, L, H/N, D)
+        return all_to_all(out, scatter_dim=1, gather_dim=2, shard=shard), None
+
+    attention.__name__ = f"{PREFIX}{backend}"
+    return attention
+
+
+def register() -> None:
+    """``ulysses_<b>`` for every known backend ``b`` (idempotent; run when this package is imported, after
+    ``sdpa_varlen`` registered itself). Each takes ``b``'s mask function, so a mask transformers builds itself is
+    the one ``b`` would get."""
+    for backend in ATTENTION_BACKENDS:
+        AttentionInterface.register(f"{PREFIX}{backend}", _ulysses(backend))
+        ALL_MASK_ATTENTION_FUNCTIONS.register(f"{PREFIX}{backend}", ALL_MASK_ATTENTION_FUNCTIONS[backend])
+
+
+def head_counts(model) -> dict[str, int]:
+    """Every head count the all-to-alls split: attention (query, key/value) and linear attention's key / value
+    heads, by config key, from the language model's config."""
+    config = unwrap_model(model).config
+    text = getattr(config, "text_config", None) or config
+    keys = ("num_attention_heads", "num_key_value_heads", "linear_num_key_heads", "linear_num_value_heads")
+    return {key: int(getattr(text, key)) for key in keys if getattr(text, key, None) is not None}
+
+
+def check_heads(model, size: int) -> None:
+    """One line naming the numbers when a head count does not split over the CP group."""
+    bad = {key: n for key, n in head_counts(model).items() if n % size}
+    if bad:
+        raise ValueError(f"train.context_parallel_size={size}: Ulysses splits heads over the CP group, but "
+                         + ", ".join(f"{key}={n}" for key, n in bad.items()) + f" is not divisible by {size}")
+
+
+def enable_ulysses(model, shard: SequenceShard):
+    """Make the language model of ``model`` sequence-parallel over ``shard``: its attention layers run
+    ``ulysses_<backend>`` (the vision tower keeps its own backend: it encodes whole images, by share) and this
+    process's shard is set for them and for the linear-attention wrappers. Returns the model."""
+    check_heads(model, shard.size)
+    config = unwrap_model(model).config
+    text = getattr(config, "text_config", None) or config
+    if not (text._attn_implementation or "").startswith(PREFIX):
+        text._attn_implementation_internal = f"{PREFIX}{text._attn_implementation}"
+    set_sequence_shard(shard)
+    return model
+
+
+register()
