@@ -10,8 +10,8 @@ training is deterministic for a fixed corpus, and JSON is written with sorted ke
 
 One function per tokenizer in ``BUILDERS`` (``build_qwen2_vl`` and ``build_qwen3_vl``: one Qwen2 byte-level BPE,
 ``build_qwen2_bpe``, each with its family's chat template; ``build_qwen3_5``: the same on Qwen3.5's tokenizer;
-``build_llava``: Llama-style SentencePiece BPE with byte fallback), all on the shared ``corpus()`` and
-``train_bpe()``.
+``build_llava``: Llama-style SentencePiece BPE with byte fallback; ``build_gemma3``: Gemma's byte-fallback BPE with
+the tokens and template of ``recipes.gemma.tokens``), all on the shared ``corpus()`` and ``train_bpe()``.
 
     python tools/build_tokenizer_assets.py                 # all tokenizers into assets/tokenizers/<name>/
     python tools/build_tokenizer_assets.py --only qwen2_vl --out /tmp/tok
@@ -373,6 +373,39 @@ def build_llava(out_dir: Path, vocab_size: int = 3000) -> None:
     _save(tokenizer, out_dir)
 
 
+# ------------------------------------------------------------------------------------------------------ Gemma 3
+
+
+def build_gemma3(out_dir: Path, vocab_size: int = 3000) -> None:
+    """Gemma (SentencePiece-style) BPE with byte fallback: the words' ``▁`` pieces learned with a Metaspace split,
+    loaded into ``GemmaTokenizer`` (spaces become ``▁``, no pre-split); Gemma's special, turn and image tokens and
+    Gemma 3's chat template (``recipes.gemma.tokens``)."""
+    from recipes.gemma.tokens import BYTE_TOKENS, GEMMA3_CHAT_TEMPLATE, SPECIAL_TOKENS, gemma_tokenizer
+
+    pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never", split=True)
+    model = models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True)
+    vocab, merges = train_bpe(SPECIAL_TOKENS + BYTE_TOKENS, vocab_size, pre_tokenizer, model=model)
+    _save(gemma_tokenizer(vocab, merges, GEMMA3_CHAT_TEMPLATE), out_dir)
+
+
+def build_gemma4(out_dir: Path, vocab_size: int = 3000) -> None:
+    """Gemma 3's byte-fallback BPE (``build_gemma3``) with Gemma 4's turn and image tokens and chat template
+    (``recipes.gemma4.tokens``), its turn tokens special."""
+    from transformers import AddedToken
+
+    from recipes.gemma.tokens import gemma_tokenizer
+    from recipes.gemma4.tokens import END_OF_TURN, GEMMA4_CHAT_TEMPLATE, IMAGE_TOKENS, START_OF_TURN, VOCAB_SEED
+
+    pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never", split=True)
+    model = models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True)
+    vocab, merges = train_bpe(VOCAB_SEED, vocab_size, pre_tokenizer, model=model)
+    tokenizer = gemma_tokenizer(vocab, merges, GEMMA4_CHAT_TEMPLATE, image_tokens=IMAGE_TOKENS)
+    tokenizer.add_special_tokens({"additional_special_tokens": [AddedToken(t, special=True, normalized=False)
+                                                                for t in (START_OF_TURN, END_OF_TURN)]},
+                                 replace_extra_special_tokens=False)
+    _save(tokenizer, out_dir)
+
+
 def _save(tokenizer, out_dir: Path) -> None:
     """``save_pretrained`` into a scratch folder, canonicalise, then replace ``out_dir`` file by file."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -387,7 +420,8 @@ def _save(tokenizer, out_dir: Path) -> None:
 
 
 BUILDERS: dict[str, Callable[[Path], None]] = {"qwen2_vl": build_qwen2_vl, "llava": build_llava,
-                                                "qwen3_5": build_qwen3_5, "qwen3_vl": build_qwen3_vl}
+                                                "qwen3_5": build_qwen3_5, "qwen3_vl": build_qwen3_vl,
+                                                "gemma3": build_gemma3, "gemma4": build_gemma4}
 
 
 def main(argv: list[str] | None = None) -> None:
