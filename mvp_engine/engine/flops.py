@@ -52,6 +52,8 @@ from mvp_engine.packing import (
     unwrap_model,
 )
 
+from .lora import add_adapters, idle_modules, lora_spec, running_module
+
 VISION_NAMES = ("visual", "vision_tower", "vision_model")
 PROJECTOR_NAMES = ("multi_modal_projector", "merger", "projector")
 LINEAR_CHUNK = 64  # transformers' chunk_gated_delta_rule default
@@ -135,9 +137,12 @@ class _Matmul:
 
 
 def _matmuls(model: torch.nn.Module, unreachable: set[str], experts_share: float) -> list[_Matmul]:
-    head = model.get_output_embeddings()
+    head = running_module(model.get_output_embeddings())
+    idle = idle_modules(model)  # LoRA's modules_to_save: the originals do not run
     found: list[_Matmul] = []
     for name, module in model.named_modules():
+        if any(name == prefix or name.startswith(f"{prefix}.") for prefix in idle):
+            continue
         part = "head" if module is head else _part(name)
         weight = getattr(module, "weight", None)
         if isinstance(module, torch.nn.Linear):
@@ -244,7 +249,6 @@ def planning_cost_profile(recipe, model_cfg) -> CostProfile:
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     from .builders import to_plain
-    from .lora import add_adapters, lora_spec
     from .participation import freeze_parameters
 
     cfg = to_plain(model_cfg) or {}

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 from peft import LoraConfig, get_peft_model
+from peft.utils import ModulesToSaveWrapper
 
 from .builders import pretrained_without_weights, to_plain
 from .config import ConfigError, _to_object
@@ -115,6 +116,20 @@ def add_adapters(model: torch.nn.Module, spec: LoraSpec, seed: int = 0) -> torch
         torch.manual_seed(seed)
         get_peft_model(model, config)
     return model
+
+
+def idle_modules(model: torch.nn.Module) -> set[str]:
+    """Modules peft keeps but never runs: the frozen original of each ``modules_to_save`` module, whose trained copy
+    computes in its place (the FLOPs count leaves them out)."""
+    return {f"{name}.original_module" for name, module in model.named_modules()
+            if isinstance(module, ModulesToSaveWrapper)}
+
+
+def running_module(module: torch.nn.Module | None) -> torch.nn.Module | None:
+    """The module that computes for ``module``: the trained copy when it is a ``modules_to_save`` wrapper."""
+    if isinstance(module, ModulesToSaveWrapper):
+        return module.modules_to_save[module.active_adapters[0]]
+    return module
 
 
 def save_adapters(build: Callable[[], torch.nn.Module], spec: LoraSpec, state_dict: dict[str, torch.Tensor],
