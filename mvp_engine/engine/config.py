@@ -199,9 +199,9 @@ def resolve_run_specs(cfg: DictConfig, supported_attention: tuple[str, ...]) -> 
     demo = demo_spec(cfg)
     if not data.sources and not demo.enabled:
         raise ConfigError("data.sources is empty and demo.enabled=false: nothing to train on")
-    for source in data.sources:
+    for source in data.source_entries():
         try:
-            source_kind(source)  # the kit decides what a source is: a missing or unreadable one stops here
+            source_kind(source.path)  # the kit decides what a source is: a missing or unreadable one stops here
         except MLLMRecordError as err:
             raise ConfigError(f"data.sources: {err}") from None
     for source in data.eval_sources:

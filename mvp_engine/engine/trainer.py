@@ -12,7 +12,7 @@ import sys
 import time
 from collections import Counter
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import hydra
@@ -27,8 +27,10 @@ from mvp_engine.kit.mllm.data import (
     MLLMCollator,
     MLLMRecordError,
     RecordLedger,
+    SourceTally,
     TokenAccounting,
     TooManyBadRecords,
+    token_shares,
 )
 from mvp_engine.kit.mllm.data.steps import estimate_total_steps
 
@@ -72,21 +74,30 @@ class Progress:
     state: RunState
     totals: TokenAccounting
     ledgers: list[RecordLedger]
+    sources: dict[str, SourceTally] = field(default_factory=dict)  # by source name (``summary.json["sources"]``)
     steps_this_session: int = 0
     stopped_by: str | None = None
 
     @classmethod
     def from_state(cls, state: RunState) -> Progress:
-        return cls(state, state.accounting(), [RecordLedger.from_dict(e) for e in state.epochs])
+        return cls(state, state.accounting(), [RecordLedger.from_dict(e) for e in state.epochs],
+                   {name: SourceTally.from_dict(values) for name, values in state.sources.items()})
 
-    def start_epoch(self, ledger: RecordLedger) -> None:
-        """Drops are counted once, when an epoch starts."""
+    def start_epoch(self, ledger: RecordLedger, sources: dict[str, SourceTally]) -> None:
+        """Drops are counted once, when an epoch starts; so are each source's draws, drops and bad records."""
         self.ledgers.append(ledger)
         self.totals.dropped.update(ledger.dropped)
+        for name, tally in sources.items():
+            self.sources.setdefault(name, SourceTally()).add_planned(tally)
 
-    def record_step(self, loss: float, counts: TokenAccounting, epoch_steps: int) -> None:
+    def record_step(self, loss: float, counts: TokenAccounting, epoch_steps: int,
+                    sources: dict[str, list[int]]) -> None:
+        """``sources``: the step's samples, effective and supervised tokens per source, summed over ranks."""
         self.totals = self.totals + counts
         self.ledgers[-1].samples_trained += counts.samples
+        for name, row in sources.items():
+            self.sources[name].add_trained(row)
+        self.state.sources = {name: tally.to_dict() for name, tally in self.sources.items()}
         self.steps_this_session += 1
         self.state.record(loss, self.totals)
         self.state.epochs = [ledger.to_dict() for ledger in self.ledgers]
@@ -284,7 +295,9 @@ class Trainer:
         state = progress.state
         epoch = state.epoch
         if state.epoch_steps_done == 0:
-            progress.start_epoch(self.dataset.epoch_ledger(train.micro_batch_size, epoch))
+            names = [source.name for source in self.dataset.sources]
+            progress.start_epoch(self.dataset.epoch_ledger(train.micro_batch_size, epoch),
+                                 dict(zip(names, self.dataset.epoch_sources(train.micro_batch_size, epoch))))
             if self.accelerator.is_main_process:
                 self.files.list_dropped_records(self.dataset, train.micro_batch_size, epoch)
         epoch_steps = self._epoch_steps(epoch)
@@ -292,7 +305,7 @@ class Trainer:
         for group in step_groups(self._loader(epoch, rank_packs_done), train.gradient_accumulation_steps):
             # one collective at every step boundary, before the step: a stop signal on any rank, and the samples
             # decoding faults took out of this step's packs on every rank
-            progress.stopped_by = self._step_boundary(group, session.preemption, progress.ledgers[-1])
+            progress.stopped_by = self._step_boundary(group, session.preemption, progress)
             if progress.stopped_by:
                 session.checkpointer.save(state)
                 return
@@ -329,9 +342,11 @@ class Trainer:
         loss, grad_norm, timing = self.train_step(group, session.model, session.optimizer, session.scheduler)
         seconds = time.perf_counter() - start
         counts = self._step_counts(group)
-        session.progress.record_step(loss, counts, epoch_steps)
+        session.progress.record_step(loss, counts, epoch_steps, self._source_counts(group))
         record = step_record(session.progress.state.step, epoch, loss, lr, grad_norm, counts, seconds,
                              self.accelerator.num_processes, self.peak_tflops)
+        if record["step"] % self.specs.train.log_every == 0:
+            record["source_token_shares"] = token_shares(session.progress.sources)
         if timing is not None:
             ranks = self.accelerator.gather(torch.tensor([timing], dtype=torch.float64,
                                                          device=self.accelerator.device)).cpu()
@@ -369,16 +384,28 @@ class Trainer:
         return TokenAccounting.from_tensor(self.accelerator.reduce(local.as_tensor().to(self.accelerator.device),
                                                                    reduction="sum").cpu())
 
-    def _step_boundary(self, group: list[dict], preemption: PreemptionWatch, ledger: RecordLedger) -> str | None:
+    def _source_counts(self, group: list[dict]) -> dict[str, list[int]]:
+        """The step's samples, effective and supervised tokens per source (the batches' ``source_counts``), summed
+        over every rank (a CP group's rows once, as ``_step_counts`` counts them), by source name."""
+        local = sum(batch["source_counts"] for batch in group)
+        if not self.layout.counts_rows:
+            local = torch.zeros_like(local)
+        rows = self.accelerator.reduce(local.to(self.accelerator.device), reduction="sum").cpu().tolist()
+        return {source.name: row for source, row in zip(self.dataset.sources, rows, strict=True)}
+
+    def _step_boundary(self, group: list[dict], preemption: PreemptionWatch, progress: Progress) -> str | None:
         """Agree across ranks, before a step: "SIGTERM" when any rank got one; decoding faults of the step's packs
-        are gathered, counted and reported, and stop every rank together (one line) under ``on_bad_record=error``
-        or past ``data.max_bad_fraction``."""
+        are gathered, counted (in the epoch's ledger and by source) and reported, and stop every rank together (one
+        line) under ``on_bad_record=error`` or past ``data.max_bad_fraction``."""
         local_bad = [bad for batch in group for bad in batch.pop("bad_records", ())]
         flags = torch.tensor([float(preemption.requested), float(len(local_bad))], device=self.accelerator.device)
         stop, bad = self.accelerator.reduce(flags, reduction="sum").tolist()
         if bad:
-            found = [BadRecord(**b) for rank_bad in gather_object([local_bad]) for b in rank_bad]
-            ledger.bad.update(b.reason for b in found)
+            faults = [b for rank_bad in gather_object([local_bad]) for b in rank_bad]
+            for b in faults:
+                progress.sources[self.dataset.sources[b.pop("source")].name].bad[b["reason"]] += 1
+            found = [BadRecord(**b) for b in faults]
+            progress.ledgers[-1].bad.update(b.reason for b in found)
             new = [b for b in found if self.bad_records.add(b)]
             if new and self.accelerator.is_main_process:
                 self.bad_records.write(self.bad_records_path)
@@ -419,6 +446,7 @@ class Trainer:
                         "bad_fraction": report.fraction(), "bad_records_file": str(self.bad_records_path),
                         "dropped_records_file": str(self.files.dropped_records)},
             "epochs": [ledger.to_dict() for ledger in progress.ledgers],
+            "sources": {name: tally.to_dict() for name, tally in progress.sources.items()},
             "output_dir": str(self.output_dir),
         }
 

@@ -1,6 +1,6 @@
 """The generic, model-free DataKit: records -> samples -> packs -> batches, with honest accounting."""
 
-from .accounting import RecordLedger, TokenAccounting
+from .accounting import RecordLedger, SourceTally, TokenAccounting, token_shares
 from .assembler import (
     BestFitDecreasingAssembler,
     GreedyAssembler,
@@ -17,6 +17,7 @@ from .cost import CostProfile, Rate, WorkUnits, pack_costs
 from .dataset import EpochPlan, MLLMDataKit, MLLMPackedDataset, MLLMStreamingPackedDataset
 from .images import load_image, read_image_size
 from .media import MEDIA_KINDS, MediaKind, MLLMMediaHandler
+from .mixture import MLLMSource, epoch_draw, source_entries
 from .pack import MLLMPack
 from .sample import IGNORE_INDEX, MLLMRecord, MLLMSample, MLLMSampleEncoder, SampleMeta
 from .sources import MLLMRecordError, read_records
@@ -49,6 +50,7 @@ __all__ = [
     "MLLMRecord",
     "MLLMRecordError",
     "MLLMSample",
+    "MLLMSource",
     "MLLMSampleEncoder",
     "MLLMStreamingPackedDataset",
     "OverlongSampleError",
@@ -57,6 +59,7 @@ __all__ = [
     "Rate",
     "SampleMeta",
     "SingleSampleAssembler",
+    "SourceTally",
     "StepLayout",
     "TokenAccounting",
     "VideoInfo",
@@ -64,6 +67,7 @@ __all__ = [
     "balance_rng",
     "balanced_order",
     "decode_faults",
+    "epoch_draw",
     "estimate_total_steps",
     "find_bad_records",
     "imbalance_summary",
@@ -78,5 +82,7 @@ __all__ = [
     "read_image_size",
     "read_records",
     "read_video_info",
+    "source_entries",
     "source_kind",
+    "token_shares",
 ]

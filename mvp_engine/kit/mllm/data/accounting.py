@@ -115,3 +115,44 @@ class RecordLedger:
     def from_dict(cls, values: dict) -> RecordLedger:
         return cls(values["epoch"], values["records_read"], values["samples_trained"], Counter(values["dropped"]),
                    Counter(values["bad"]), values["truncated"])
+
+
+@dataclass
+class SourceTally:
+    """One source's share of a run (``summary.json["sources"][name]``): ``records`` drawn by its epochs (a record
+    drawn twice counts twice), ``samples`` trained and their ``effective_tokens`` / ``supervised_tokens``, and the
+    draws ``dropped`` and ``bad`` by reason. Summed over sources these are the run's totals."""
+
+    records: int = 0
+    samples: int = 0
+    effective_tokens: int = 0
+    supervised_tokens: int = 0
+    dropped: Counter = field(default_factory=Counter)
+    bad: Counter = field(default_factory=Counter)
+
+    TRAINED = ("samples", "effective_tokens", "supervised_tokens")  # the per-step counts (``source_counts`` rows)
+
+    def add_trained(self, row: list[int]) -> None:
+        for name, value in zip(self.TRAINED, row, strict=True):
+            setattr(self, name, getattr(self, name) + int(value))
+
+    def add_planned(self, other: SourceTally) -> None:
+        """An epoch's draw: its records, drops and bad records found before training."""
+        self.records += other.records
+        self.dropped.update(other.dropped)
+        self.bad.update(other.bad)
+
+    def to_dict(self) -> dict:
+        return {"records": self.records, "samples": self.samples, "effective_tokens": self.effective_tokens,
+                "supervised_tokens": self.supervised_tokens, "dropped": dict(self.dropped), "bad": dict(self.bad)}
+
+    @classmethod
+    def from_dict(cls, values: dict) -> SourceTally:
+        return cls(values["records"], values["samples"], values["effective_tokens"], values["supervised_tokens"],
+                   Counter(values["dropped"]), Counter(values["bad"]))
+
+
+def token_shares(tallies: dict[str, SourceTally]) -> dict[str, float]:
+    """Each source's fraction of the effective tokens trained so far (``metrics.jsonl``'s ``source_token_shares``)."""
+    total = sum(t.effective_tokens for t in tallies.values())
+    return {name: t.effective_tokens / total if total else 0.0 for name, t in tallies.items()}

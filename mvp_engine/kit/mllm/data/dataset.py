@@ -24,17 +24,19 @@ from functools import cached_property
 from itertools import islice
 
 import numpy as np
+import torch
 from torch.utils.data import Dataset, IterableDataset, Subset, get_worker_info
 
-from .accounting import RecordLedger
+from .accounting import RecordLedger, SourceTally
 from .assembler import Admission, MLLMPackingAssembler, OverlongSampleError
 from .bad_records import BadRecord, BadRecordReport
 from .balance import StepLayout, balance_rng, balanced_order
 from .cost import CostProfile, pack_costs
 from .measure import SampleMetas, default_cache_dir, encode_as_measured, measure_list, measure_store
 from .media import MLLMMediaHandler
+from .mixture import MLLMSource, epoch_draw
 from .pack import MLLMPack
-from .sample import MLLMRecord, MLLMSampleEncoder
+from .sample import IGNORE_INDEX, MLLMRecord, MLLMSampleEncoder
 from .sources import MLLMRecordError, read_records
 from .spec import MLLMDataSpec
 from .steps import estimate_total_steps, micro_batches_per_rank, packs_per_rank
@@ -163,7 +165,9 @@ class _PackedDatasetBase:
         self.micro_batch_size = micro_batch_size
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.cost_profile = cost_profile
+        self.sources, self.source_offsets = _mixture(records, data_spec)
         self.epoch = 0
+        self._draws: dict[int, np.ndarray] = {}
         self._plans: dict[int, EpochPlan] = {}
         self._pack_counts: dict[int, int] = {}  # per epoch: a replayed plan is counted once, not at every replan
         self._left_out: dict[int, tuple[EpochPlan, frozenset[int]]] = {}
@@ -192,10 +196,22 @@ class _PackedDatasetBase:
                                   f"max_seq_len={self.packing_spec.max_seq_len} (overlong=error)", "overlong",
                                   record_id=record.record_id) from None
 
+    def draw(self, epoch: int) -> np.ndarray:
+        """Record indices the epoch draws from its sources (``mixture.epoch_draw``: a record of a ``repeat: 2``
+        source twice), grouped by source; every record once when no source has a ``repeat``."""
+        if epoch not in self._draws:
+            self._draws = {epoch: epoch_draw(self.sources, self.source_offsets, self.data_spec.seed, epoch)}
+        return self._draws[epoch]
+
+    def source_of(self, indices: np.ndarray) -> np.ndarray:
+        """The source number of each record index."""
+        return np.searchsorted(self.source_offsets, indices, side="right") - 1
+
     def record_order(self, epoch: int) -> np.ndarray:
+        draw = self.draw(epoch)
         if not self.data_spec.shuffle:
-            return np.arange(len(self.records), dtype=np.int64)
-        return np.random.default_rng([self.data_spec.seed, epoch]).permutation(len(self.records))
+            return draw
+        return draw[np.random.default_rng([self.data_spec.seed, epoch]).permutation(len(draw))]
 
     def _groups(self, epoch: int) -> Iterator[list[int]]:
         """The epoch's packs, planned afresh: records in the epoch's order, admitted ones only."""
@@ -259,11 +275,11 @@ class _PackedDatasetBase:
         return RankPacks(packs, self.rank, self.world_size,
                          packs_per_rank(len(packs), self.world_size, self.drop_last))
 
-    def left_out_by_drop_last(self, micro_batch_size: int, epoch: int | None = None) -> frozenset[int]:
-        """Records of the epoch's packs that no rank trains on: with ``drop_last`` the packs past an even split
-        across ranks and those of a rank's last partial micro-batch (none without ``drop_last``). Every rank serves
-        its first ``served`` packs, so these are the plan's packs from ``served * world_size`` on. Cached with the
-        epoch's plan: the drop counts, the ledger and the dropped-records file all ask for it."""
+    def _left_out_draws(self, micro_batch_size: int, epoch: int | None = None) -> np.ndarray:
+        """Record indices of the epoch's packs that no rank trains on, once per draw: with ``drop_last`` the packs
+        past an even split across ranks and those of a rank's last partial micro-batch (none without ``drop_last``).
+        Every rank serves its first ``served`` packs, so these are the plan's packs from ``served * world_size`` on.
+        Cached with the epoch's plan: the drop counts, the ledger and the dropped-records file all ask for it."""
         plan = self.plan(epoch)
         cached = self._left_out.get(micro_batch_size)
         if cached is None or cached[0] is not plan:
@@ -271,52 +287,91 @@ class _PackedDatasetBase:
             served = micro_batches_per_rank(len(packs), micro_batch_size, self.world_size, self.drop_last) \
                 * micro_batch_size
             left = islice(packs, served * self.world_size, None) if served * self.world_size < len(packs) else ()
-            cached = (plan, frozenset(i for pack in left for i in pack))
+            cached = (plan, np.fromiter((i for pack in left for i in pack), dtype=np.int64))
             self._left_out = {micro_batch_size: cached}
         return cached[1]
 
+    def left_out_by_drop_last(self, micro_batch_size: int, epoch: int | None = None) -> frozenset[int]:
+        """Records of the epoch's packs that no rank trains on (see :meth:`_left_out_draws`)."""
+        return frozenset(self._left_out_draws(micro_batch_size, epoch).tolist())
+
     def dropped_records(self, micro_batch_size: int, epoch: int | None = None) -> dict[int, str]:
-        """Record index -> reason of every record the epoch plans not to train (bad records aside)."""
-        dropped = self.plan(epoch).dropped
+        """Record index -> reason of every record the epoch draws and plans not to train (bad records aside)."""
+        plan = self.plan(epoch)
+        drawn = np.zeros(len(self.records), dtype=bool)
+        drawn[self.draw(plan.epoch)] = True
+        dropped = {i: reason for i, reason in plan.dropped.items() if drawn[i]}
         dropped.update((i, "drop_last") for i in self.left_out_by_drop_last(micro_batch_size, epoch))
         return dropped
 
-    def epoch_ledger(self, micro_batch_size: int, epoch: int | None = None) -> RecordLedger:
-        """The epoch's record ledger as planned: records read, drops and truncations by the plan, bad records
-        found before training. The trainer adds what it trains and the faults found while decoding."""
+    @cached_property
+    def _bad_before_training(self) -> tuple[dict[int, str], Counter]:
+        """The reason of each record found bad before training (by its origin in the report), and those without a
+        record index (records the reader of an in-memory list already left out)."""
+        report, usable = self.bad_records, self.metas.usable
+        origin = self.records.origin if isinstance(self.records, RecordStore) else lambda i: self.records[i].origin
+        reasons = {int(i): report.records[origin(int(i))].reason for i in np.flatnonzero(~usable)}
+        return reasons, report.counts("read") + report.counts("measure") - Counter(reasons.values())
+
+    def epoch_sources(self, micro_batch_size: int, epoch: int | None = None) -> list[SourceTally]:
+        """Per source (``self.sources`` order), the epoch's draw as planned: records drawn, the draws dropped by the
+        plan and by ``drop_last``, and the draws of records found bad before training, each by reason. The trainer
+        adds what it trains and the faults found while decoding."""
         plan = self.plan(epoch)
-        report = self.bad_records
-        left_out = self.left_out_by_drop_last(micro_batch_size, epoch)
+        draw = self.draw(plan.epoch)
+        counts = np.bincount(self.source_of(draw), minlength=len(self.sources))
+        tallies = [SourceTally(records=int(n)) for n in counts]
+        codes = plan.admission.codes
+        dropped = draw[codes[draw] > 0]
+        reasons = plan.dropped
+        for i, s in zip(dropped.tolist(), self.source_of(dropped).tolist()):
+            tallies[s].dropped[reasons[i]] += 1
+        for s in self.source_of(self._left_out_draws(micro_batch_size, plan.epoch)).tolist():
+            tallies[s].dropped["drop_last"] += 1
+        bad, unindexed = self._bad_before_training
+        found = draw[~self.metas.usable[draw]]
+        for i, s in zip(found.tolist(), self.source_of(found).tolist()):
+            tallies[s].bad[bad[i]] += 1
+        tallies[0].records += sum(unindexed.values())
+        tallies[0].bad.update(unindexed)
+        return tallies
+
+    def epoch_ledger(self, micro_batch_size: int, epoch: int | None = None) -> RecordLedger:
+        """The epoch's record ledger as planned: the sum of :meth:`epoch_sources` (records drawn, drops, bad records
+        found before training) and the draws truncated to fit."""
+        plan = self.plan(epoch)
+        tallies = self.epoch_sources(micro_batch_size, epoch)
         truncated = plan.admission.truncated_mask
-        dropped = plan.drop_counts
-        if left_out:
-            dropped["drop_last"] = len(left_out)
+        left_out = self._left_out_draws(micro_batch_size, epoch)
         return RecordLedger(
             epoch=plan.epoch,
-            records_read=report.records_read,
-            dropped=dropped,
-            bad=report.counts("read") + report.counts("measure"),
-            truncated=int(truncated.sum()) - sum(1 for i in left_out if truncated[i]),
+            records_read=sum(t.records for t in tallies),
+            dropped=sum((t.dropped for t in tallies), Counter()),
+            bad=sum((t.bad for t in tallies), Counter()),
+            truncated=int(truncated[self.draw(plan.epoch)].sum()) - int(truncated[left_out].sum()),
         )
 
     def encode_pack(self, record_indices: list[int], epoch: int | None = None) -> dict:
         """The pack's model inputs plus ``bad_records``: samples whose decoding failed (a corrupt image body, a
         decompression bomb) or whose encode disagrees with its measure leave the pack, which is still served so
         every rank keeps in step; the trainer counts and reports them (this may run in a DataLoader worker, whose
-        own report nobody would read)."""
+        own report nobody would read), each with the number of its ``source``. ``source_counts`` is the pack's
+        samples, effective tokens and supervised tokens per source (one row each), for the per-source summary."""
         lengths = self.plan(epoch).lengths
         measured = self.metas.length
-        samples, bad = [], []
-        for i in record_indices:
+        samples, bad, kept = [], [], []
+        for i, source in zip(record_indices, self.source_of(np.asarray(record_indices, dtype=np.int64)).tolist()):
             record = self.records[i]
             try:
                 sample = encode_as_measured(self.encoder, record, measured[i])
             except MLLMRecordError as err:
-                bad.append(BadRecord.from_error(err, "decode").to_dict())
+                bad.append({**BadRecord.from_error(err, "decode").to_dict(), "source": source})
                 continue
             samples.append(sample.truncated(lengths[i]) if lengths[i] < sample.length else sample)
+            kept.append(source)
         inputs = MLLMPack(samples, self.media_handler).to_model_inputs()
         inputs["bad_records"] = bad
+        inputs["source_counts"] = _source_counts(torch.tensor(kept, dtype=torch.long), inputs, len(self.sources))
         return inputs
 
     def estimate_total_steps(self, epochs: int, micro_batch_size: int, gradient_accumulation_steps: int = 1) -> int:
@@ -324,6 +379,29 @@ class _PackedDatasetBase:
         counts = [len(self.plan(epoch).packs) for epoch in range(epochs)]
         return estimate_total_steps(counts, micro_batch_size, gradient_accumulation_steps, self.world_size,
                                     self.drop_last)
+
+
+def _mixture(records: list[MLLMRecord] | RecordStore, spec: MLLMDataSpec) -> tuple[list[MLLMSource], np.ndarray]:
+    """The sources a dataset draws from and where each one's records start: the spec's entries over a store; an
+    in-memory list is one source read once (its reader dropped bad records, so rows no longer map to entries)."""
+    entries = spec.source_entries()
+    if isinstance(records, RecordStore):
+        if len(entries) != len(records.sources):
+            raise ValueError(f"data.sources has {len(entries)} entries for a record store of {len(records.sources)} "
+                             "sources: open the store from the same spec (MLLMDataKit.open_store)")
+        return entries, np.asarray(records.offsets, dtype=np.int64)
+    if any(entry.repeat != 1 for entry in entries):
+        raise ValueError("data.sources: a repeat needs the record store (MLLMDataKit.build_dataset without records=)")
+    name = entries[0].name if len(entries) == 1 else "records"
+    return [MLLMSource(path=name, name=name)], np.asarray([0, len(records)], dtype=np.int64)
+
+
+def _source_counts(sources: torch.Tensor, inputs: dict, num_sources: int) -> torch.Tensor:
+    """``(num_sources, 3)``: samples, effective tokens, supervised tokens of one pack per source, from its segment
+    ids and labels (the first label of each segment already ignored) and ``sources``, each sample's source."""
+    tokens = sources[inputs["pack_segment_ids"]]
+    supervised = tokens[inputs["labels"] != IGNORE_INDEX]
+    return torch.stack([torch.bincount(t, minlength=num_sources) for t in (sources, tokens, supervised)], dim=1)
 
 
 class MLLMPackedDataset(_PackedDatasetBase, Dataset):
@@ -398,8 +476,8 @@ class MLLMDataKit:
         if bad_records is not None and bad_records.policy == "skip":
             def on_bad(err: MLLMRecordError) -> None:
                 bad_records.add_error(err, "read")
-        records = [record for source in data_spec.sources
-                   for record in read_records(source, data_spec.image_root, on_bad=on_bad,
+        records = [record for source in data_spec.source_entries()
+                   for record in read_records(source.path, source.image_root or data_spec.image_root, on_bad=on_bad,
                                               allow_leading_assistant=data_spec.allow_leading_assistant)]
         if bad_records is not None:
             bad_records.records_read = len(records) + bad_records.count
@@ -410,8 +488,10 @@ class MLLMDataKit:
         """The sources as one memory-mapped :class:`RecordStore` (JSON/JSONL converted once into the cache)."""
         if not data_spec.sources:
             raise ValueError("data.sources is empty: give at least one JSON/JSONL/parquet file or saved data set")
-        return RecordStore.open(data_spec.sources, data_spec.cache_dir or default_cache_dir(), data_spec.image_root,
-                                data_spec.allow_leading_assistant)
+        entries = data_spec.source_entries()
+        return RecordStore.open([e.path for e in entries], data_spec.cache_dir or default_cache_dir(),
+                                data_spec.image_root, data_spec.allow_leading_assistant,
+                                image_roots=[e.image_root for e in entries])
 
     @staticmethod
     def build_dataset(data_spec: MLLMDataSpec, encoder: MLLMSampleEncoder, rank: int = 0, world_size: int = 1,

@@ -7,6 +7,8 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
+from .mixture import MLLMSource, source_entries
+
 STRATEGIES = ("greedy", "bfd")
 OVERLONG_POLICIES = ("drop", "error", "truncate")
 BALANCE_MODES = ("none", "compute")
@@ -78,7 +80,7 @@ class MLLMDataSpec:
     ``overlong`` then bound single samples the same way packing would.
     """
 
-    sources: list[str] = field(default_factory=list)
+    sources: list[Any] = field(default_factory=list)  # paths, or {path, repeat, name, image_root} (mixture.py)
     eval_sources: list[Any] = field(default_factory=list)  # held-out sources, each planned and packed on its own
     image_root: str | None = None
     packing: MLLMPackingSpec | None = None
@@ -96,6 +98,7 @@ class MLLMDataSpec:
     def __post_init__(self) -> None:
         if isinstance(self.sources, str):
             self.sources = [self.sources]
+        self.source_entries()  # a bad entry fails here, as one line naming it
         if isinstance(self.eval_sources, str):
             self.eval_sources = [self.eval_sources]
         if self.on_bad_record not in BAD_RECORD_POLICIES:
@@ -112,6 +115,10 @@ class MLLMDataSpec:
         if not isinstance(self.measure_workers, int) or self.measure_workers < 0:
             raise ValueError(f"data.measure_workers={self.measure_workers!r} is invalid: allowed an int >= 0 "
                              "(0: one per CPU core)")
+
+    def source_entries(self) -> list[MLLMSource]:
+        """``sources`` as validated :class:`MLLMSource` entries (path, repeat, name, image_root)."""
+        return source_entries(self.sources)
 
     def effective_packing(self) -> MLLMPackingSpec:
         """The packing spec to plan with; unpacked data plans one sample per pack under the data limits."""

@@ -16,9 +16,10 @@ Sources (``data.sources``, one file or folder each):
 check asks it, so a path training could not open stops the run at once, as one line naming it.
 
 Rows of parquet and saved data sets are records in either accepted format (LLaVA ``conversations`` or OpenAI
-``messages``), with image paths as strings. Relative image paths resolve against ``data.image_root`` or, without
-it, the folder holding the source. Parsing and validation are the kit's :func:`parse_record`, run when a record
-is measured and again when it is encoded, so a store holds bytes, not Python objects.
+``messages``), with image paths as strings. Relative image paths resolve against the source's own ``image_root`` (a
+``data.sources`` mapping), else ``data.image_root``, else the folder holding the source. Parsing and validation are
+the kit's :func:`parse_record`, run when a record is measured and again when it is encoded, so a store holds bytes,
+not Python objects.
 """
 
 from __future__ import annotations
@@ -105,9 +106,12 @@ class RecordStore:
 
     @classmethod
     def open(cls, paths: list[str], cache_dir: str | os.PathLike, image_root: str | None = None,
-             allow_leading_assistant: bool = False) -> RecordStore:
+             allow_leading_assistant: bool = False, image_roots: list[str | None] | None = None) -> RecordStore:
+        """The sources of ``paths``; ``image_roots`` (one per path, None: ``image_root``) is each source's own root."""
         cache = Path(cache_dir)
-        return cls([_open_source(Path(path), cache, image_root) for path in paths], allow_leading_assistant)
+        roots = image_roots or [None] * len(paths)
+        return cls([_open_source(Path(path), cache, image_root if root is None else root)
+                    for path, root in zip(paths, roots, strict=True)], allow_leading_assistant)
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
