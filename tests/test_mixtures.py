@@ -14,6 +14,7 @@ import pytest
 import mvp_engine.engine.testing as kit
 from mvp_engine.engine.checkpoint import CHECKPOINTS
 from mvp_engine.engine.config import ConfigError, resolve_run_specs
+from mvp_engine.engine.plan_report import compute_step_estimate
 from mvp_engine.kit.mllm.data import MLLMDataKit, MLLMDataSpec, MLLMPackingSpec, MLLMSource, epoch_draw
 from mvp_engine.kit.mllm.data.mixture import source_entries
 from tests.fakes import FakeEncoder
@@ -188,16 +189,25 @@ def run_overrides(sources: list[Path]) -> list[str]:
     a, b, c = sources
     return ["+packing=greedy", f"data.sources=[{{path:{a},repeat:2,name:a}},{{path:{b},repeat:0.5,name:b}},"
             f"{{path:{c},name:c}}]", "data.max_seq_len=160", "data.max_bad_fraction=0.5", "train.epochs=2",
-            "train.micro_batch_size=2", "train.log_every=2", "train.save_every_steps=1", "train.keep_last=100"]
+            "train.micro_batch_size=2", "train.log_every=2"]
 
 
-def test_a_run_reports_each_source_and_the_sources_add_up_to_the_totals(tmp_path):
-    data = mixed_sources(tmp_path / "data")
-    run = tmp_path / "run"
-    kit.launch("llava", run, run_overrides(data))
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[list[Path], Path]:
+    """The three sources and an uninterrupted 1-process run over them, checkpointed after every step."""
+    data = mixed_sources(tmp_path_factory.mktemp("mixture_data"))
+    run = tmp_path_factory.mktemp("mixture_run")
+    kit.launch("llava", run, [*run_overrides(data), "train.save_every_steps=1", "train.keep_last=100"])
+    return data, run
+
+
+def test_a_run_reports_each_source_and_the_sources_add_up_to_the_totals(reference):
+    data, run = reference
     summary, metrics = kit.read_summary(run), kit.read_metrics(run)
     sources, totals = summary["sources"], summary["totals"]
     assert summary["estimated_steps"] == summary["actual_steps"] == len(metrics)
+    assert compute_step_estimate(kit.compose_config("llava", run_overrides(data)))["total_optimizer_steps"] == \
+        len(metrics)  # tools/estimate_steps.py's number
     # per epoch: every record of a twice, floor(0.5 x 6) of b, c's 4 rows once
     assert {name: s["records"] for name, s in sources.items()} == {"a": 2 * 8 * 2, "b": 3 * 2, "c": 4 * 2}
     assert sources["c"]["bad"] == {"invalid_json": 2} and sources["c"]["dropped"] == {"overlong": 2}
@@ -219,9 +229,21 @@ def test_a_run_reports_each_source_and_the_sources_add_up_to_the_totals(tmp_path
         assert logged[-1]["source_token_shares"] == pytest.approx(
             {name: s["effective_tokens"] / totals["effective"] for name, s in sources.items()})
 
-    # resumed mid-run from a checkpoint: the same draws, the same lines, the same per-source summary
-    step = len(metrics) // 2 + 1
-    resumed = tmp_path / "resumed"
-    kit.launch("llava", resumed, [*run_overrides(data), f"train.resume_from={run / CHECKPOINTS / f'step_{step:08d}'}"])
-    assert kit.read_metrics(resumed) == metrics[step:]
-    assert kit.read_summary(resumed)["sources"] == sources
+
+def test_a_resumed_run_draws_and_counts_what_the_uninterrupted_one_did(reference, tmp_path):
+    data, run = reference
+    metrics = kit.read_metrics(run)
+    step = len(metrics) // 2 + 1  # mid-run
+    kit.launch("llava", tmp_path, [*run_overrides(data), f"train.resume_from={run / CHECKPOINTS / f'step_{step:08d}'}"])
+    assert kit.read_metrics(tmp_path) == metrics[step:]
+    assert kit.read_summary(tmp_path)["sources"] == kit.read_summary(run)["sources"]
+
+
+def test_two_ranks_draw_and_train_what_one_rank_does(reference, tmp_path):
+    """2 gloo ranks x micro-batch 1 split the same global batch as 1 rank x micro-batch 2: the same steps, the same
+    per-source numbers (a rank drawing another fraction of b would train other records)."""
+    data, run = reference
+    kit.launch("llava", tmp_path, [*run_overrides(data), "train.micro_batch_size=1"], nproc=2)
+    one, two = kit.read_summary(run), kit.read_summary(tmp_path)
+    assert two["actual_steps"] == two["estimated_steps"] == one["actual_steps"]
+    assert two["sources"] == one["sources"]
