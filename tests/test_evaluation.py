@@ -155,16 +155,20 @@ def test_packed_evaluation_gives_the_unpacked_loss_whatever_the_packing_and_micr
     assert abs(kit.read_summary(reference)["eval"]["eval_loss"] - base["eval_loss"]) <= EVAL_TOL
 
 
-def test_two_processes_evaluate_what_one_does(reference, data, tmp_path):
-    """``torchrun`` with 2 gloo ranks, each evaluating its half of the packs, and the sums reduced."""
+def test_two_context_parallel_ranks_evaluate_what_one_process_does(reference, data, tmp_path):
+    """``torchrun`` with 2 gloo ranks and ``train.context_parallel_size=2``: each rank computes the loss of its half
+    of every row, the sums are reduced, rows and samples are counted once. (2 data-parallel ranks, each with its
+    own packs: the FSDP2 run below.)"""
     one = stand_alone(reference / "model", data, tmp_path / "one", "+packing=greedy", "train.micro_batch_size=1")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                "-m", f"recipes.{RECIPE}.evaluate"]
     kit.launch(RECIPE, tmp_path / "two", [f"model.pretrained={reference / 'model'}", eval_sources(data),
-                                          "data.max_seq_len=160", "+packing=greedy", "train.micro_batch_size=1"],
-               command=command)
+                                          "data.max_seq_len=160", "+packing=greedy", "train.micro_batch_size=1",
+                                          "train.context_parallel_size=2"], command=command)
     two = json.loads((tmp_path / "two" / EVAL_FILE).read_text())
-    assert two["world_size"] == 2 and two["eval_samples"] == 12 and two["eval_tokens"] == one["eval_tokens"]
+    assert (two["world_size"], two["context_parallel_size"]) == (2, 2)
+    assert (two["eval_samples"], two["eval_packs"], two["eval_tokens"]) == \
+        (one["eval_samples"], one["eval_packs"], one["eval_tokens"])
     for key in ("eval_loss", "eval_loss/held_a", "eval_loss/held_b"):
         assert abs(two[key] - one[key]) <= EVAL_TOL, (key, two[key], one[key])
 

@@ -3,7 +3,8 @@ model.pretrained=<dir> data.eval_sources=[...]`` (the recipe's Hydra config; ``+
 
 It is the trainer's evaluation (``evaluation.Evaluator``) without the training: the same specs, data sets, batches
 and loss, so a run's last ``eval_loss`` and this entry's on the saved model agree. It writes ``eval.json`` in its run
-directory (``train.output_dir``); on several processes every rank evaluates its packs and the sums are reduced.
+directory (``train.output_dir``); on several processes every rank evaluates its packs and the sums are reduced
+(``train.context_parallel_size`` splits each row over a CP group, as in training).
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ from omegaconf import DictConfig
 from mvp_engine.kit.mllm.data import MLLMCollator, MLLMRecordError, TooManyBadRecords
 
 from .config import CONF_DIR, ConfigError, resolve_run_specs
+from .context_parallel import build_layout, make_sequence_parallel, row_multiple
 from .evaluation import build_evaluator
 from .launch import build_accelerator, describe_processes, end_processes
 from .participation import media_kinds
 from .recipe import Recipe
+from .train_step import TrainStep
 
 EVAL_FILE = "eval.json"
 
@@ -38,12 +41,13 @@ def evaluate(cfg: DictConfig, recipe: Recipe) -> dict:
     train = specs.train
     accelerator = build_accelerator(train.mixed_precision)
     processor = recipe.build_processor(cfg.model)
-    model = recipe.build_model(cfg.model, specs.attention).to(accelerator.device)
     packed = specs.data.packing is not None
-    collator = MLLMCollator(recipe.pad_token_id(processor), train.pad_to_multiple_of)
-    evaluator = build_evaluator(specs, accelerator, recipe.build_encoder(processor), collator,
-                                recipe.prepare_packed if packed else recipe.prepare_padded,
-                                recipe.dummy_media(model), media_kinds(model))
+    layout = build_layout(accelerator, train.context_parallel_size, packed)
+    model = make_sequence_parallel(recipe.build_model(cfg.model, specs.attention).to(accelerator.device), layout)
+    collator = MLLMCollator(recipe.pad_token_id(processor), row_multiple(train.pad_to_multiple_of, layout.cp_size))
+    step = TrainStep(accelerator, recipe.prepare_packed if packed else recipe.prepare_padded, specs.attention,
+                     recipe.dummy_media(model), train, media_kinds(model), layout.shard)
+    evaluator = build_evaluator(specs, accelerator, recipe.build_encoder(processor), collator, step, layout)
     if accelerator.is_main_process:
         print(f"{describe_processes(accelerator)}; attention {specs.attention} "
               f"({'packed' if packed else 'unpacked'})")
@@ -51,7 +55,8 @@ def evaluate(cfg: DictConfig, recipe: Recipe) -> dict:
     metrics, records = evaluator(model, desc=f"{recipe.name} eval")
     result = {**metrics, "records": records, "recipe": recipe.name, "pretrained": cfg.model.get("pretrained"),
               "packing": None if not packed else specs.data.packing.strategy, "attention": specs.attention,
-              "world_size": accelerator.num_processes, "micro_batch_size": train.micro_batch_size,
+              "world_size": accelerator.num_processes, "context_parallel_size": layout.cp_size,
+              "micro_batch_size": train.micro_batch_size,
               "seconds": time.perf_counter() - started}
     output_dir = Path(train.output_dir or "outputs/eval")
     if accelerator.is_main_process:

@@ -22,9 +22,9 @@ from tqdm.auto import tqdm
 from mvp_engine.kit.mllm.data import MLLMDataKit, MLLMSampleEncoder, RecordLedger
 
 from .config import ConfigError, RunSpecs
+from .context_parallel import ParallelLayout
 from .loss import weighted_token_loss
-from .participation import dummy_passes, forward_with_media_pass
-from .sharding import is_sharded
+from .train_step import TrainStep
 
 EVAL_LOSS = "eval_loss"
 
@@ -65,12 +65,16 @@ def build_eval_sets(specs: RunSpecs, encoder: MLLMSampleEncoder, rank: int, worl
 
 class Evaluator:
     """The eval loss of a model over the eval sets, on every rank (each rank runs its own packs under
-    ``torch.no_grad()``; the sums are reduced)."""
+    ``torch.no_grad()``; the sums are reduced).
 
-    def __init__(self, accelerator: Accelerator, sets: list[EvalSet], collator, prepare, attention: str,
-                 dummy_media: dict, media_kinds: tuple, micro_batch_size: int, every_steps: int = 0):
-        self.accelerator, self.sets, self.collator, self.prepare = accelerator, sets, collator, prepare
-        self.attention, self.dummy_media, self.media_kinds = attention, dummy_media, media_kinds
+    ``step`` is the run's ``TrainStep``: its forward is the training forward (the dummy media passes FSDP2's
+    gathers need on a text-only micro-batch; under context parallelism this rank's chunk of every row) and its
+    ``span`` the positions this rank's loss covers. ``layout`` says which data-parallel rank's packs this rank
+    evaluates and whether it counts their rows (a CP group's rows once)."""
+
+    def __init__(self, accelerator: Accelerator, sets: list[EvalSet], collator, step: TrainStep,
+                 layout: ParallelLayout, micro_batch_size: int, every_steps: int = 0):
+        self.accelerator, self.sets, self.collator, self.step, self.layout = accelerator, sets, collator, step, layout
         self.micro_batch_size, self.every_steps = micro_batch_size, every_steps
 
     def due(self, step: int) -> bool:
@@ -92,7 +96,7 @@ class Evaluator:
         # per source: weighted loss sum, supervised tokens, samples, packs (rows holding a sample)
         sums = torch.zeros(len(self.sets), 4, dtype=torch.float64)
         faults: list[Counter] = [Counter() for _ in self.sets]
-        sharded = is_sharded(model)
+        counts_rows = self.layout.counts_rows
         was_training = model.training
         model.eval()
         bar = tqdm(total=sum(len(loader) for loader in loaders), desc=desc, leave=False,
@@ -102,19 +106,18 @@ class Evaluator:
                 for index, loader in enumerate(loaders):
                     for batch in loader:
                         bad = batch.pop("bad_records", ())
-                        faults[index].update(b["reason"] for b in bad)
+                        if counts_rows:
+                            faults[index].update(b["reason"] for b in bad)
                         batch = send_to_device(batch, accelerator.device)
-                        # FSDP2 gathers the vision blocks in every forward: every rank runs them alike
-                        passes = dummy_passes(batch, self.media_kinds) if sharded else 0
                         with accelerator.autocast():
-                            outputs, _ = forward_with_media_pass(model, self.prepare(batch, model, self.attention),
-                                                                 self.dummy_media, passes)
+                            outputs, _ = self.step.forward(model, batch)
                         part = weighted_token_loss(outputs.logits, batch["labels"], batch["pack_segment_ids"],
-                                                   "token")
+                                                   "token", self.step.span(batch))
                         sums[index, 0] += part.weighted_sum.double().cpu()
                         sums[index, 1] += part.weight_total.double().cpu()
-                        sums[index, 2] += int(batch["source_sample_num"].sum())
-                        sums[index, 3] += int((batch["source_sample_num"] > 0).sum())
+                        if counts_rows:
+                            sums[index, 2] += int(batch["source_sample_num"].sum())
+                            sums[index, 3] += int((batch["source_sample_num"] > 0).sum())
                         bar.update(1)
         finally:
             bar.close()
@@ -148,11 +151,11 @@ class Evaluator:
         return records
 
 
-def build_evaluator(specs: RunSpecs, accelerator: Accelerator, encoder: MLLMSampleEncoder, collator, prepare,
-                    dummy_media: dict, media_kinds: tuple) -> Evaluator | None:
+def build_evaluator(specs: RunSpecs, accelerator: Accelerator, encoder: MLLMSampleEncoder, collator,
+                    step: TrainStep, layout: ParallelLayout) -> Evaluator | None:
     """The run's evaluator over ``data.eval_sources`` (None without any)."""
     if not specs.data.eval_sources:
         return None
-    sets = build_eval_sets(specs, encoder, accelerator.process_index, accelerator.num_processes)
-    return Evaluator(accelerator, sets, collator, prepare, specs.attention, dummy_media, media_kinds,
-                     specs.train.micro_batch_size, specs.train.eval_every_steps)
+    sets = build_eval_sets(specs, encoder, layout.dp_rank, layout.dp_size)
+    return Evaluator(accelerator, sets, collator, step, layout, specs.train.micro_batch_size,
+                     specs.train.eval_every_steps)

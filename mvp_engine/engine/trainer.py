@@ -168,8 +168,8 @@ class Trainer:
                                     self.specs.attention, self.dummy_media, train, self.media_kinds, self.layout.shard)
         self.total_steps = self.dataset.estimate_total_steps(train.epochs, train.micro_batch_size,
                                                              train.gradient_accumulation_steps)
-        self.evaluator = build_evaluator(self.specs, self.accelerator, self.encoder, self.collator,
-                                         self.train_step.prepare, self.dummy_media, self.media_kinds)
+        self.evaluator = build_evaluator(self.specs, self.accelerator, self.encoder, self.collator, self.train_step,
+                                         self.layout)
 
     @property
     def bad_records_path(self) -> Path:
