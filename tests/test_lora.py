@@ -5,7 +5,8 @@ One process accumulating 2 micro-batches is the reference, with a checkpoint aft
 FSDP2 ranks train what it trains (losses, grad norms, the saved adapters); resuming from one of its checkpoints
 reproduces the rest of its metrics and adapters exactly, from a checkpoint that holds only the trainable tensors and
 their AdamW state; its ``model/`` folder loads with peft onto the recipe's base and gives the logits of
-``model/merged`` loaded with ``model.pretrained``. Packed == one-by-one with adapters: the testkit's
+``model/merged`` loaded with ``model.pretrained``; FSDP2 from a pretrained folder adapts the weights rank 0
+broadcasts. Packed == one-by-one with adapters: the testkit's
 ``EquivalenceSuite``; FLOPs of a frozen base: ``tests/test_flops.py``.
 """
 
@@ -19,6 +20,7 @@ import torch
 from peft import PeftModel
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
+from transformers import AutoModelForImageTextToText
 
 import mvp_engine.engine.testing as kit
 from mvp_engine.engine.checkpoint import CHECKPOINTS
@@ -133,3 +135,20 @@ def test_two_ranks_train_the_adapters_one_rank_accumulating_two_trains(reference
     assert kit.max_weight_difference(*merged) <= 1e-5
     summary = kit.read_summary(tmp_path)
     assert summary["sharding"] == sharding and summary["parameters"] == kit.read_summary(reference)["parameters"]
+
+
+@pytest.mark.slow
+def test_fsdp2_from_a_pretrained_folder_adapts_the_broadcast_weights(reference, data, tmp_path):
+    """Rank 1 builds the base on the meta device, peft adds the adapters there, rank 0's weights arrive as shards:
+    a lost shard or adapter would change the first loss. The base is the reference's merged model; its adapter
+    folder records that base, so transformers' own from_pretrained loads it with the adapters applied."""
+    base = reference / "model" / MERGED
+    overrides = [*common(data), "train.epochs=1", f"model.pretrained={base}"]
+    kit.launch(RECIPE, tmp_path / "two", [*overrides, "train.sharding=fsdp2"], nproc=2)
+    kit.launch(RECIPE, tmp_path / "one", [*overrides, "train.gradient_accumulation_steps=2"])
+    two, one = kit.read_metrics(tmp_path / "two"), kit.read_metrics(tmp_path / "one")
+    assert abs(two[0]["loss"] - one[0]["loss"]) <= 1e-6
+    assert kit.max_weight_difference(adapters(tmp_path / "two"), adapters(tmp_path / "one")) <= 1e-5
+    config = json.loads((tmp_path / "two" / "model" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(base)
+    assert hasattr(AutoModelForImageTextToText.from_pretrained(tmp_path / "two" / "model"), "peft_config")
