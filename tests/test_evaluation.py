@@ -41,7 +41,8 @@ def data(tmp_path_factory) -> dict[str, Path]:
 
 
 def eval_sources(data) -> str:
-    return f"data.eval_sources=[{data['held_a']},{data['held_b']}]"
+    """A path (named after its stem) and a mapping naming its source."""
+    return f"data.eval_sources=[{data['held_a']},{{path:{data['held_b']},name:val_b}}]"
 
 
 def run_overrides(data, out: Path, *extra: str) -> list[str]:
@@ -74,16 +75,16 @@ def test_a_run_evaluates_every_n_steps_and_at_its_end(reference, data):
     assert [m["step"] for m in evals] == [*range(EVERY, steps + 1, EVERY), steps]
     for line in evals:
         assert line["eval_samples"] == 12 and line["eval_tokens"] > 0
-        assert set(line) >= {"eval_loss/held_a", "eval_loss/held_b"}
+        assert set(line) >= {"eval_loss/held_a", "eval_loss/val_b"}
         # the overall loss is the token-weighted mean of the two sources' losses: between them
-        assert min(line["eval_loss/held_a"], line["eval_loss/held_b"]) <= line["eval_loss"] <= \
-            max(line["eval_loss/held_a"], line["eval_loss/held_b"])
+        assert min(line["eval_loss/held_a"], line["eval_loss/val_b"]) <= line["eval_loss"] <= \
+            max(line["eval_loss/held_a"], line["eval_loss/val_b"])
     assert evals[-1]["eval_loss"] < evals[0]["eval_loss"], "training lowers the held-out loss"
     final = summary["eval"]
     assert {k: final[k] for k in evals[-1]} == evals[-1]
     assert final["records"] == {name: {"records_read": n, "dropped": {}, "bad": {}, "truncated": 0,
                                        "reconciles": True, "samples_evaluated": n}
-                                for name, n in (("held_a", 7), ("held_b", 5))}
+                                for name, n in (("held_a", 7), ("val_b", 5))}
 
 
 def test_evaluating_leaves_the_training_unchanged(reference, data, tmp_path):
@@ -126,7 +127,7 @@ def test_tensorboard_event_files_hold_what_metrics_jsonl_holds(reference, data):
     (hparams,) = runs[0].rglob("hparams.yml")  # the run config, as accelerate's TensorBoard tracker stores it
     config = yaml.safe_load(hparams.read_text())
     assert config["train.learning_rate"] == 5e-3 and config["train.eval_every_steps"] == EVERY
-    assert config["data.eval_sources"] == str([str(data["held_a"]), str(data["held_b"])])
+    assert config["data.eval_sources"] == str([str(data["held_a"]), {"path": str(data["held_b"]), "name": "val_b"}])
 
 
 def stand_alone(model_dir: Path, data, out: Path, *extra: str) -> dict:
@@ -150,7 +151,7 @@ def test_packed_evaluation_gives_the_unpacked_loss_whatever_the_packing_and_micr
     base = runs["padded_1"]
     for name, result in runs.items():
         assert result["eval_tokens"] == base["eval_tokens"] and result["eval_samples"] == 12, name
-        for key in ("eval_loss", "eval_loss/held_a", "eval_loss/held_b"):
+        for key in ("eval_loss", "eval_loss/held_a", "eval_loss/val_b"):
             assert abs(result[key] - base[key]) <= EVAL_TOL, (name, key, result[key], base[key])
     assert abs(kit.read_summary(reference)["eval"]["eval_loss"] - base["eval_loss"]) <= EVAL_TOL
 
@@ -169,7 +170,7 @@ def test_two_context_parallel_ranks_evaluate_what_one_process_does(reference, da
     assert (two["world_size"], two["context_parallel_size"]) == (2, 2)
     assert (two["eval_samples"], two["eval_packs"], two["eval_tokens"]) == \
         (one["eval_samples"], one["eval_packs"], one["eval_tokens"])
-    for key in ("eval_loss", "eval_loss/held_a", "eval_loss/held_b"):
+    for key in ("eval_loss", "eval_loss/held_a", "eval_loss/val_b"):
         assert abs(two[key] - one[key]) <= EVAL_TOL, (key, two[key], one[key])
 
 
@@ -186,7 +187,8 @@ def test_two_eval_sources_of_one_name_are_refused_with_one_line(data, tmp_path):
     shutil.copy(data["held_a"], twin / "held_a.jsonl")
     cfg = kit.compose_config(RECIPE, [f"data.eval_sources=[{data['held_a']},{twin / 'held_a.jsonl'}]",
                                       f"train.output_dir={tmp_path}"])
-    with pytest.raises(ConfigError, match=r"data.eval_sources: \['held_a'\] name more than one source"):
+    with pytest.raises(ConfigError, match=r"data.eval_sources\[1\]: name 'held_a' is already used by "
+                                          r"data.eval_sources\[0\]"):
         evaluate(cfg, kit.load_recipe(RECIPE))
 
 
@@ -195,6 +197,8 @@ def test_two_eval_sources_of_one_name_are_refused_with_one_line(data, tmp_path):
     ("train.report_to=[tensorboard,tensorboard]", r"train.report_to=.* names a tracker twice"),
     ("train.eval_every_steps=-1", r"train.eval_every_steps=-1 is invalid"),
     ("data.eval_sources=[/nonexistent/held.jsonl]", r"data.eval_sources: "),
+    ("data.eval_sources=[{path:/d/held.jsonl,repeat:2}]", r"data.eval_sources\[0\]: repeat=2 does not apply"),
+    ("data.eval_sources=[{path:/d/held.jsonl,weight:2}]", r"data.eval_sources\[0\]: unknown key 'weight'"),
 ])
 def test_bad_eval_and_tracker_settings_fail_naming_the_key(override, line):
     with pytest.raises(ConfigError, match=line):
@@ -221,5 +225,5 @@ def test_a_two_rank_fsdp2_run_evaluates_its_model_as_one_process_does(data, tmp_
     assert summary["world_size"] == 2 and [m["step"] for m in evals][-1] == summary["actual_steps"]
     assert evals[-1]["eval_samples"] == 12 and summary["eval"]["eval_loss"] == evals[-1]["eval_loss"]
     one = stand_alone(run_dir / "model", data, tmp_path / "one", "+packing=greedy", "train.micro_batch_size=1")
-    for key in ("eval_loss", "eval_loss/held_a", "eval_loss/held_b"):
+    for key in ("eval_loss", "eval_loss/held_a", "eval_loss/val_b"):
         assert abs(evals[-1][key] - one[key]) <= EVAL_TOL, (key, evals[-1][key], one[key])

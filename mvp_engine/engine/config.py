@@ -204,9 +204,9 @@ def resolve_run_specs(cfg: DictConfig, supported_attention: tuple[str, ...]) -> 
             source_kind(source.path)  # the kit decides what a source is: a missing or unreadable one stops here
         except MLLMRecordError as err:
             raise ConfigError(f"data.sources: {err}") from None
-    for source in data.eval_sources:
+    for source in data.eval_source_entries():
         try:
-            source_kind(source)
+            source_kind(source.path)
         except MLLMRecordError as err:
             raise ConfigError(f"data.eval_sources: {err}") from None
     train = _to_object(cfg.train, TrainSpec, "train")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from accelerate import Accelerator
@@ -21,7 +20,7 @@ from tqdm.auto import tqdm
 
 from mvp_engine.kit.mllm.data import MLLMDataKit, MLLMSampleEncoder, RecordLedger
 
-from .config import ConfigError, RunSpecs
+from .config import RunSpecs
 from .context_parallel import ParallelLayout
 from .loss import weighted_token_loss
 from .train_step import TrainStep
@@ -29,18 +28,9 @@ from .train_step import TrainStep
 EVAL_LOSS = "eval_loss"
 
 
-def eval_source_name(source) -> str:
-    """What a source's loss is logged under: its ``name`` (a mapping entry), else its file or folder stem."""
-    if isinstance(source, str):
-        return Path(source).stem
-    name = source.get("name") if hasattr(source, "get") else getattr(source, "name", None)
-    path = source.get("path") if hasattr(source, "get") else getattr(source, "path", None)
-    return str(name) if name else Path(str(path)).stem
-
-
 @dataclass
 class EvalSet:
-    """One eval source and this rank's packs of it."""
+    """One eval source (``name``: the entry's, by default its file stem) and this rank's packs of it."""
 
     name: str
     dataset: object  # MLLMPackedDataset | MLLMStreamingPackedDataset
@@ -49,17 +39,12 @@ class EvalSet:
 def build_eval_sets(specs: RunSpecs, encoder: MLLMSampleEncoder, rank: int, world_size: int) -> list[EvalSet]:
     """Every ``data.eval_sources`` entry as a dataset of its own, planned now (measuring every record, so a bad
     record stops or is counted before the first step, as the training set's are)."""
-    names = [eval_source_name(source) for source in specs.data.eval_sources]
-    duplicates = sorted(name for name, n in Counter(names).items() if n > 1)
-    if duplicates:
-        raise ConfigError(f"data.eval_sources: {duplicates} name more than one source: give each a distinct "
-                          "file name (or a distinct name in its mapping)")
     sets = []
-    for name, source in zip(names, specs.data.eval_sources):
+    for source in specs.data.eval_source_entries():  # validated: a name is used once
         dataset = MLLMDataKit.build_dataset(specs.data.eval_spec(source), encoder, rank=rank, world_size=world_size,
                                             micro_batch_size=specs.train.micro_batch_size)
         dataset.plan(0)
-        sets.append(EvalSet(name, dataset))
+        sets.append(EvalSet(source.name, dataset))
     return sets
 
 

@@ -101,6 +101,7 @@ class MLLMDataSpec:
         self.source_entries()  # a bad entry fails here, as one line naming it
         if isinstance(self.eval_sources, str):
             self.eval_sources = [self.eval_sources]
+        self.eval_source_entries()
         if self.on_bad_record not in BAD_RECORD_POLICIES:
             raise ValueError(f"data.on_bad_record={self.on_bad_record!r} is invalid: allowed one of "
                              f"{list(BAD_RECORD_POLICIES)}")
@@ -127,12 +128,23 @@ class MLLMDataSpec:
         return MLLMPackingSpec(max_seq_len=self.max_seq_len, overlong=self.overlong, seed=self.seed,
                                assembler_cls="mvp_engine.kit.mllm.data.assembler.SingleSampleAssembler")
 
-    def eval_spec(self, source: Any) -> MLLMDataSpec:
+    def eval_source_entries(self) -> list[MLLMSource]:
+        """``eval_sources`` as validated entries (the kinds and keys of ``sources``); a ``repeat`` is refused: every
+        held-out record is evaluated once."""
+        entries = source_entries(self.eval_sources, "data.eval_sources")
+        for index, entry in enumerate(entries):
+            if entry.repeat != 1:
+                raise ValueError(f"data.eval_sources[{index}]: repeat={entry.repeat:g} does not apply to an eval "
+                                 "source (each of its records is evaluated once)")
+        return entries
+
+    def eval_spec(self, source: MLLMSource) -> MLLMDataSpec:
         """One eval source as a data spec of its own, planned and packed like the training set (same packing and
         limits) but in record order and without balancing: an evaluation reads every record once, in a plan that
         does not depend on the training seed's shuffle."""
         packing = None if self.packing is None else replace(self.packing, balance="none")
-        return replace(self, sources=[source], eval_sources=[], shuffle=False, packing=packing)
+        entry = {"path": source.path, "name": source.name, "image_root": source.image_root}
+        return replace(self, sources=[entry], eval_sources=[], shuffle=False, packing=packing)
 
 
 def register_configs() -> None:
