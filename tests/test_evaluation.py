@@ -216,14 +216,17 @@ def test_a_tracker_whose_package_is_missing_names_the_pip_install(monkeypatch, n
 def test_a_two_rank_fsdp2_run_evaluates_its_model_as_one_process_does(data, tmp_path):
     """2 gloo ranks training under FSDP2 (every rank runs the vision tower in every eval forward, as FSDP2's gathers
     need; DDP's ranks each hold the whole model, the stand-alone 2-rank case): the run's final eval_loss is the
-    stand-alone one-process evaluation of its saved model."""
+    stand-alone one-process evaluation of its saved model. With a tracker: it is closed without ending the process
+    group the end-of-run gathers use; rank 0 alone writes its event file."""
     run_dir = tmp_path / "run"
     overrides = [o for o in run_overrides(data, run_dir) if not o.startswith(("train.output_dir", "train.epochs"))]
-    kit.launch(RECIPE, run_dir, [*overrides, "train.epochs=1", "train.sharding=fsdp2"], nproc=2)
+    kit.launch(RECIPE, run_dir, [*overrides, "train.epochs=1", "train.sharding=fsdp2", "train.report_to=[tensorboard]"],
+               nproc=2)
     summary = kit.read_summary(run_dir)
     evals = eval_lines(kit.read_metrics(run_dir))
     assert summary["world_size"] == 2 and [m["step"] for m in evals][-1] == summary["actual_steps"]
     assert evals[-1]["eval_samples"] == 12 and summary["eval"]["eval_loss"] == evals[-1]["eval_loss"]
+    assert len(list((run_dir / "tensorboard" / RECIPE).glob("events.out.tfevents.*"))) == 1
     one = stand_alone(run_dir / "model", data, tmp_path / "one", "+packing=greedy", "train.micro_batch_size=1")
     for key in ("eval_loss", "eval_loss/held_a", "eval_loss/val_b"):
         assert abs(evals[-1][key] - one[key]) <= EVAL_TOL, (key, evals[-1][key], one[key])

@@ -83,5 +83,7 @@ class RunTrackers:
             self.accelerator.log(scalars(record), step=record["step"])
 
     def end(self) -> None:
-        if self.active:
-            self.accelerator.end_training()
+        """Close every tracker (not ``accelerator.end_training``: it also destroys the process group, which the
+        end-of-run gathers still use)."""
+        for tracker in self.accelerator.trackers:
+            tracker.finish()
