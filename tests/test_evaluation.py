@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -172,6 +173,20 @@ def test_two_context_parallel_ranks_evaluate_what_one_process_does(reference, da
         (one["eval_samples"], one["eval_packs"], one["eval_tokens"])
     for key in ("eval_loss", "eval_loss/held_a", "eval_loss/val_b"):
         assert abs(two[key] - one[key]) <= EVAL_TOL, (key, two[key], one[key])
+
+
+def test_held_out_records_left_out_are_counted_and_said(data, tmp_path, capsys):
+    """Overlong eval samples are dropped as in training (``data.overlong=drop``), never silently: the console says
+    how many, the ledger counts them and still reconciles, and the loss covers the rest."""
+    cfg = kit.compose_config(RECIPE, [eval_sources(data), f"train.output_dir={tmp_path}", "data.max_seq_len=40"])
+    result = evaluate(cfg, kit.load_recipe(RECIPE))
+    records = result["records"]
+    dropped = sum(sum(entry["dropped"].values()) for entry in records.values())
+    assert 0 < dropped < 12 and set().union(*(entry["dropped"] for entry in records.values())) == {"overlong"}
+    assert all(entry["reconciles"] for entry in records.values())
+    assert result["eval_samples"] == 12 - dropped
+    assert re.search(r"eval data \w+: \d+ of \d+ records left out, by reason \{'overlong': \d+\}",
+                     capsys.readouterr().out)
 
 
 def test_evaluate_without_eval_sources_stops_with_one_line(tmp_path, capsys):

@@ -142,5 +142,12 @@ def build_evaluator(specs: RunSpecs, accelerator: Accelerator, encoder: MLLMSamp
     if not specs.data.eval_sources:
         return None
     sets = build_eval_sets(specs, encoder, layout.dp_rank, layout.dp_size)
+    if accelerator.is_main_process:
+        for eval_set in sets:
+            ledger = eval_set.dataset.epoch_ledger(specs.train.micro_batch_size, 0)
+            left_out = ledger.dropped + ledger.bad
+            if left_out:
+                print(f"eval data {eval_set.name}: {left_out.total()} of {ledger.records_read} records left out, by "
+                      f"reason {dict(left_out)} (counted in the eval records of summary.json / eval.json)")
     return Evaluator(accelerator, sets, collator, step, layout, specs.train.micro_batch_size,
                      specs.train.eval_every_steps)
