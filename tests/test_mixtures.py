@@ -12,10 +12,20 @@ import numpy as np
 import pytest
 
 import mvp_engine.engine.testing as kit
-from mvp_engine.engine.checkpoint import CHECKPOINTS
+from mvp_engine.engine.checkpoint import CHECKPOINTS, RunState
 from mvp_engine.engine.config import ConfigError, resolve_run_specs
 from mvp_engine.engine.plan_report import compute_step_estimate
-from mvp_engine.kit.mllm.data import MLLMDataKit, MLLMDataSpec, MLLMPackingSpec, MLLMSource, epoch_draw
+from mvp_engine.engine.trainer import Progress
+from mvp_engine.kit.mllm.data import (
+    MLLMDataKit,
+    MLLMDataSpec,
+    MLLMPackingSpec,
+    MLLMSource,
+    RecordLedger,
+    SourceTally,
+    TokenAccounting,
+    epoch_draw,
+)
 from mvp_engine.kit.mllm.data.mixture import source_entries
 from tests.fakes import FakeEncoder
 
@@ -171,6 +181,12 @@ def test_a_source_image_root_wins_over_the_data_root(tmp_path):
     read = MLLMDataKit.open_store(spec)[0]
     assert read.image_paths == [str(tmp_path / "own" / name)]
     assert MLLMDataKit.read_records(spec)[0].image_paths == read.image_paths
+
+
+def test_a_checkpoint_from_before_per_source_tallies_resumes_counting():
+    progress = Progress.from_state(RunState(step=3, epoch_steps_done=3, epochs=[RecordLedger(0, 8).to_dict()]))
+    progress.record_step(1.0, TokenAccounting(samples=2, effective=10, supervised=5), 8, {"a": [2, 10, 5]})
+    assert progress.state.sources == {"a": SourceTally(0, 2, 10, 5).to_dict()}
 
 
 def mixed_sources(directory: Path) -> list[Path]:

@@ -95,8 +95,8 @@ class Progress:
         """``sources``: the step's samples, effective and supervised tokens per source, summed over ranks."""
         self.totals = self.totals + counts
         self.ledgers[-1].samples_trained += counts.samples
-        for name, row in sources.items():
-            self.sources[name].add_trained(row)
+        for name, row in sources.items():  # setdefault: a checkpoint written before per-source tallies has none
+            self.sources.setdefault(name, SourceTally()).add_trained(row)
         self.state.sources = {name: tally.to_dict() for name, tally in self.sources.items()}
         self.steps_this_session += 1
         self.state.record(loss, self.totals)
@@ -403,7 +403,8 @@ class Trainer:
         if bad:
             faults = [b for rank_bad in gather_object([local_bad]) for b in rank_bad]
             for b in faults:
-                progress.sources[self.dataset.sources[b.pop("source")].name].bad[b["reason"]] += 1
+                name = self.dataset.sources[b.pop("source")].name
+                progress.sources.setdefault(name, SourceTally()).bad[b["reason"]] += 1
             found = [BadRecord(**b) for b in faults]
             progress.ledgers[-1].bad.update(b.reason for b in found)
             new = [b for b in found if self.bad_records.add(b)]
