@@ -19,6 +19,7 @@ writes the adapter (``adapter_config.json``, ``adapter_model.safetensors``), and
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -114,8 +115,16 @@ def add_adapters(model: torch.nn.Module, spec: LoraSpec, seed: int = 0) -> torch
     config = lora_config(model, spec)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        get_peft_model(model, config)
+        _peft_model(model, config)
     return model
+
+
+def _peft_model(model: torch.nn.Module, config: LoraConfig):
+    """``get_peft_model`` without the FutureWarning peft 0.21 triggers on every call by reading transformers'
+    deprecated ``is_gradient_checkpointing``."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return get_peft_model(model, config)
 
 
 def idle_modules(model: torch.nn.Module) -> set[str]:
@@ -139,7 +148,7 @@ def save_adapters(build: Callable[[], torch.nn.Module], spec: LoraSpec, state_di
     folders written. ``build`` makes the recipe's model (a ``pretrained`` one without its weights)."""
     with pretrained_without_weights():
         base = build()
-    peft_model = get_peft_model(base, lora_config(base, spec))
+    peft_model = _peft_model(base, lora_config(base, spec))
     peft_model.base_model.model.load_state_dict(state_dict, assign=True)
     peft_model.save_pretrained(directory)
     if not spec.merge_on_save:
