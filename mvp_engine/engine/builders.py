@@ -99,8 +99,10 @@ def build_hf_model(model_cls, model_cfg: Mapping | None, attn_implementation: st
     dtype = getattr(torch, str(cfg.get("dtype") or "float32"))
     if cfg.get("pretrained") and _WITHOUT_WEIGHTS.get():
         with init_empty_weights(include_buffers=False):  # buffers (rotary frequencies) are computed, not loaded
-            return model_cls._from_config(AutoConfig.from_pretrained(cfg["pretrained"]),
-                                          attn_implementation=attn_implementation, dtype=dtype)
+            model = model_cls._from_config(AutoConfig.from_pretrained(cfg["pretrained"]),
+                                           attn_implementation=attn_implementation, dtype=dtype)
+        model.tie_weights()  # the meta build leaves tied weights (Gemma's lm_head) apart: one FSDP2 unit too many
+        return model
     if cfg.get("pretrained"):
         return model_cls.from_pretrained(cfg["pretrained"], attn_implementation=attn_implementation, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(cfg, default_tokenizer_dir))

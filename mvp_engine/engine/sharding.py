@@ -100,8 +100,13 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer gathered, on the CPU of rank 0 (other ranks get ``{}``); every rank takes part."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    """Every parameter and buffer gathered, on the CPU of rank 0 (other ranks get ``{}``); every rank takes part. A
+    tied parameter (Gemma's ``lm_head.weight`` is its embedding) comes once, under its first name: the gathered
+    copies share no storage, so ``save_pretrained`` would write both, unlike an unsharded save."""
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    tied = ({name for name, _ in model.named_parameters(remove_duplicate=False)}
+            - {name for name, _ in model.named_parameters()})
+    return {name: tensor for name, tensor in state.items() if name not in tied}
 
 
 def load_full_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:

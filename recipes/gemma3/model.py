@@ -85,8 +85,7 @@ def build_model(model_cfg: Mapping | None, attn_implementation: str = "sdpa") ->
     Keys read: ``pretrained``, ``tokenizer_dir``, ``config`` (``text_config``, ``vision_config``, top-level
     Gemma3Config fields), ``seed`` (default 0), ``dtype`` (default float32).
     """
-    return build_hf_model(Gemma3ForConditionalGeneration, model_cfg,
-                          sub_model_attention(attn_implementation, vision_shares=("eager", "sdpa")),
+    return build_hf_model(Gemma3ForConditionalGeneration, model_cfg, sub_model_attention(attn_implementation),
                           tiny_config, DEFAULT_TOKENIZER_DIR)
 
 
