@@ -200,3 +200,34 @@ def test_the_command_measures_every_length_and_exits_0(tmp_path):
         assert row["step_s"] == min(row["times_s"]) > 0 and len(row["times_s"]) == 1
     for row, reference in zip(result["rows"], result["references"]):
         assert row["ratio"] == pytest.approx(row["step_s"] / reference["step_s"])
+
+
+def test_cp_targets_judge_saved_bytes_and_vision_at_8192_and_growth():
+    def row(length, cp, saved, vision):
+        return {"backend": "sdpa_varlen", "length": length, "cp": cp, "saved_bytes": saved, "vision_flops": vision}
+
+    rows = [row(4096, 1, 100, 10), row(4096, 2, 70, 7), row(8192, 1, 200, 20), row(8192, 2, 110, 10)]
+    saved, vision, growth = bench.cp_targets(rows, "sdpa_varlen", [4096, 8192], 2)
+    assert saved["ok"] and saved["value"] == pytest.approx(0.55) and "at L=8192" in saved["line"]
+    assert vision["ok"] and vision["value"] == pytest.approx(0.5) and "also L=4096 0.700" in vision["line"]
+    assert growth["ok"] and growth["value"] == pytest.approx(110 / 70)
+    rows[3]["saved_bytes"] = 130  # 0.65x: a miss
+    assert [t["ok"] for t in bench.cp_targets(rows, "sdpa_varlen", [4096, 8192], 2)] == [False, True, True]
+    only = bench.cp_targets(rows[:2], "sdpa_varlen", [4096], 2)  # one length: judged there, no growth target
+    assert [t["name"] for t in only] == ["cp_saved", "cp_vision"] and not only[0]["ok"]
+
+
+def test_context_parallel_command_splits_saved_bytes_and_vision_work(tmp_path):
+    """``--context-parallel 2`` starts its own 2 gloo ranks: per rank about half the saved bytes and exactly half
+    the vision FLOPs of CP = 1 on the same row (4 images of the same size: 2 per rank)."""
+    path = tmp_path / "bench.json"
+    done = subprocess.run([sys.executable, str(TOOL), "--lengths", "1024", "--hidden", "64", "--intermediate", "128",
+                           "--layers", "1", "--heads", "2", "--kv-heads", "2", "--segment-median", "1024",
+                           "--repeats", "1", "--backends", "sdpa_varlen", "--context-parallel", "2", "--json",
+                           str(path)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(path.read_text())
+    one, two = result["rows"]
+    assert (one["cp"], two["cp"]) == (1, 2) and len(two["ranks"]) == 2
+    assert two["vision_flops"] == one["vision_flops"] / 2
+    assert [t["ok"] for t in result["targets"]] == [True, True], result["lines"]

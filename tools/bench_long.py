@@ -68,6 +68,19 @@ failed or missing measurement is a MISS:
         [--hidden 256 --intermediate 512 --layers 2 --heads 4 --kv-heads 2] [--repeats 2] [--threads 1]
         [--memory-limit-gib 16] [--timeout-s 600] [--default-backend sdpa_varlen] [--json PATH]
 
+``--context-parallel N`` (N > 1) measures context parallelism instead: per (backend, L), one packed row whose
+segments each open with one image per 256 tokens (16 x 16 patches, 64 placeholder tokens: pages of a document),
+trained once unsplit (CP = 1) and once split over N gloo ranks started here (``torch.multiprocessing``, a file
+rendezvous; the engine's ``sequence_parallel_forward``: Ulysses attention, the vision work by share), each in its
+own processes with the same seeded weights. Per rank, exactly: the bytes autograd saves for backward over the
+forward and the loss (``SavedForBackward``, as ``tools/bench_memory.py``), the FLOPs inside the vision tower
+(``FlopCounterMode``, module ``model.visual``) and the step time (best of ``--repeats`` after a warm-up, between
+barriers); the worst rank counts. Targets: at L = 8192 (else the longest L), CP = N's per-rank saved bytes <= 0.6x
+CP = 1's and its vision FLOPs per rank <= 0.6x (images are encoded whole, so a short row of a few images cannot split
+evenly: other lengths are printed, not judged); with several lengths, CP = N's saved bytes grow linearly.
+
+    python tools/bench_long.py --lengths 4096 8192 --backends sdpa_varlen --context-parallel 2
+
 ``--backends`` defaults to every backend the recipe offers (its ``Recipe.attention_backends``); those
 this machine cannot train with (``check_attention``: flash needs CUDA and flash_attn) are skipped with the reason
 printed. Progress goes to stderr, the table and the targets to stdout. ``main(argv)`` returns what it printed as a
@@ -93,13 +106,19 @@ from pathlib import Path
 
 import psutil
 import torch
+import torch.distributed as dist
 from omegaconf import OmegaConf
+from torch.utils.flop_counter import FlopCounterMode
 
 from mvp_engine.engine.config import ConfigError, check_attention
+from mvp_engine.engine.context_parallel import sequence_parallel_forward
 from mvp_engine.engine.loss import weighted_token_loss
+from mvp_engine.engine.participation import media_kinds
 from mvp_engine.engine.recipe import Recipe
+from mvp_engine.engine.recompute import SavedForBackward
 from mvp_engine.engine.testing import compose_config, load_recipe
 from mvp_engine.kit.mllm.data import IGNORE_INDEX, MLLMCollator, MLLMPack, MLLMSample
+from mvp_engine.packing import SequenceShard, enable_ulysses
 
 RECIPE = "qwen2_vl"
 REFERENCE = "one-by-one"
@@ -574,6 +593,173 @@ def report(args, model_cfg, backends, skipped, segments, rows, references, secon
             "targets": targets, "ok": all(t["ok"] for t in targets), "seconds": seconds, "lines": lines}
 
 
+# ------------------------------------------------------------------ context parallelism (--context-parallel N)
+
+CP_TARGET_LENGTH = 8192
+CP_TARGET_SAVED = 0.6
+CP_TARGET_VISION = 0.6
+IMAGE_GRID = (1, 16, 16)  # patches of each image: 256, i.e. 64 placeholder tokens after the 2x2 merge
+TOKENS_PER_IMAGE = 256  # a segment of n tokens opens with n // 256 images (at least one): ~25 % image tokens
+
+
+def image_samples(lengths: list[int], config, seed: int) -> list[MLLMSample]:
+    """``make_samples``' segments, each opening with one image per ``TOKENS_PER_IMAGE`` of its tokens (vision
+    start, the placeholders, vision end; seeded random patches; pages of a document, frames of a clip) and
+    supervising its text: a packed row with images, cut between CP ranks wherever the lengths put it."""
+    vision = config.vision_config
+    merged = math.prod(IMAGE_GRID) // vision.spatial_merge_size ** 2
+    patch_values = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+    image = torch.tensor([config.vision_start_token_id] + [config.image_token_id] * merged
+                         + [config.vision_end_token_id])
+    generator = torch.Generator().manual_seed(seed + 1)
+    samples = []
+    for sample in make_samples([max(n, merged + 8) for n in lengths], config, seed):
+        count = max(1, sample.length // TOKENS_PER_IMAGE)
+        head = 1 + count * len(image)
+        ids = torch.cat([sample.input_ids[:1], image.repeat(count), sample.input_ids[head:]])
+        labels = ids.clone()
+        labels[:head] = IGNORE_INDEX
+        media = {"pixel_values": torch.randn(count * math.prod(IMAGE_GRID), patch_values, generator=generator),
+                 "image_grid_thw": torch.tensor([IMAGE_GRID] * count)}
+        samples.append(MLLMSample(input_ids=ids, labels=labels, sample_id=sample.sample_id, media=media,
+                                  num_media=count, media_tokens=count * merged, media_end=head))
+    return samples
+
+
+def vision_flops(counter: FlopCounterMode) -> int:
+    """FLOPs ``counter`` counted inside the vision tower (``model.visual``)."""
+    return sum(sum(ops.values()) for name, ops in counter.get_flop_counts().items() if name.endswith(".visual"))
+
+
+def cp_rank_main(rank: int, size: int, rendezvous: str, spec: dict, out_dir: str) -> None:
+    """One rank of a CP group of ``size`` (1: unsplit, the same code path): a packed row with images, its bytes
+    saved for backward and the vision tower's FLOPs counted on the first step, then the step timed."""
+    torch.set_num_threads(spec["threads"] or torch.get_num_threads())
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=size)
+    try:
+        recipe, backend = load_recipe(RECIPE), spec["backend"]
+        model = recipe.build_model(spec["model_cfg"], backend).train()
+        samples = image_samples(spec["segments"], model.config, spec["seed"])
+        batch = MLLMCollator(model.config.text_config.pad_token_id, pad_to_multiple_of=size)(
+            [MLLMPack(samples).to_model_inputs()])
+        shard = SequenceShard(dist.group.WORLD, rank, size) if size > 1 else None
+        if shard is not None:
+            enable_ulysses(model, shard)
+        kinds, dummy = media_kinds(model), recipe.dummy_media(model)
+        targets = supervised_targets(batch)
+
+        def forward_loss():
+            kwargs = recipe.prepare_packed(batch, model, backend)
+            if shard is None:
+                outputs, zero, span = model(**kwargs), None, None
+            else:
+                outputs, zero = sequence_parallel_forward(model, kwargs, shard, kinds, dummy, 0)
+                span = shard.span(batch["input_ids"].shape[-1])
+            part = weighted_token_loss(outputs.logits, batch["labels"], batch["pack_segment_ids"], "token", span)
+            loss = part.weighted_sum / targets
+            return loss if zero is None else loss + zero
+
+        with FlopCounterMode(display=False) as counter, SavedForBackward(model) as saved:
+            loss = forward_loss()
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        times = []
+        for _ in range(1 + spec["repeats"]):
+            dist.barrier()
+            start = time.perf_counter()
+            forward_loss().backward()
+            dist.barrier()
+            times.append(time.perf_counter() - start)
+            model.zero_grad(set_to_none=True)
+        result = {"saved_bytes": saved.bytes, "vision_flops": vision_flops(counter), "step_s": min(times[1:]),
+                  "tokens": int(batch["input_ids"].numel()), "local_tokens": int(batch["input_ids"].numel()) // size}
+    finally:
+        dist.destroy_process_group()
+    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def measure_split(spec: dict, size: int, workdir: Path) -> list[dict]:
+    """Per rank, the numbers of one row on a CP group of ``size`` spawned here."""
+    out_dir = Path(tempfile.mkdtemp(dir=workdir, prefix=f"cp{size}-"))
+    torch.multiprocessing.spawn(cp_rank_main, nprocs=size, join=True,
+                                args=(size, str(out_dir / "rendezvous"), spec, str(out_dir)))
+    return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(size)]
+
+
+def cp_rows(args: argparse.Namespace, model_cfg: dict, backends: list[str],
+            segments: dict[int, list[int]]) -> list[dict]:
+    """CP = 1 and CP = N per (backend, L): the worst rank's saved bytes, vision FLOPs and step time."""
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench_long_cp-") as tmp:
+        for length in args.lengths:
+            for backend in backends:
+                spec = {"model_cfg": model_cfg, "segments": segments[length], "threads": args.threads,
+                        "repeats": args.repeats, "seed": args.seed, "backend": backend}
+                for size in (1, args.context_parallel):
+                    progress(f"measuring {backend} at L={length}, CP={size} ...")
+                    ranks = measure_split(spec, size, Path(tmp))
+                    rows.append({"backend": backend, "length": length, "cp": size, "ranks": ranks,
+                                 **{key: max(r[key] for r in ranks) for key in ("saved_bytes", "vision_flops",
+                                                                                "step_s")}})
+    return rows
+
+
+def cp_ratio(rows: list[dict], backend: str, length: int, key: str, size: int) -> float | None:
+    one = next((r for r in rows if (r["backend"], r["length"], r["cp"]) == (backend, length, 1)), None)
+    split = next((r for r in rows if (r["backend"], r["length"], r["cp"]) == (backend, length, size)), None)
+    return None if not one or not split or not one[key] else split[key] / one[key]
+
+
+def cp_targets(rows: list[dict], backend: str, lengths: list[int], size: int) -> list[dict]:
+    """At L = 8192 (else the longest L): per-rank saved bytes and vision FLOPs, CP = N over CP = 1 (images are
+    encoded whole, so a short row with few images cannot split its vision work evenly: the other lengths are
+    printed, not judged); with several lengths, CP = N's saved bytes growing linearly."""
+    at = CP_TARGET_LENGTH if CP_TARGET_LENGTH in lengths else max(lengths)
+    out = []
+    for name, key, limit, what in (("cp_saved", "saved_bytes", CP_TARGET_SAVED, "bytes saved for backward"),
+                                   ("cp_vision", "vision_flops", CP_TARGET_VISION, "vision-tower FLOPs")):
+        value = cp_ratio(rows, backend, at, key, size)
+        others = [f"L={n} {'-' if (v := cp_ratio(rows, backend, n, key, size)) is None else f'{v:.3f}'}"
+                  for n in lengths if n != at]
+        out.append({"name": name, "value": value, "limit": limit, "ok": value is not None and value <= limit,
+                    "line": f"({len(out) + 1}) per-rank {what} at L={at}, CP={size} / CP=1 <= {limit}: "
+                            f"{'not measured' if value is None else f'{value:.3f}'}"
+                            + (f" (also {', '.join(others)})" if others else "")})
+    if len(lengths) > 1:
+        low, high = min(lengths), max(lengths)
+        split = {r["length"]: r["saved_bytes"] for r in rows if r["backend"] == backend and r["cp"] == size}
+        growth = split[high] / split[low] if split.get(low) else None
+        bound = TARGET_GROWTH_SLACK * high / low
+        out.append({"name": "cp_growth", "value": growth, "limit": bound, "ok": growth is not None and growth <= bound,
+                    "line": f"(3) CP={size} saved bytes grow linearly: L={high} / L={low} <= {TARGET_GROWTH_SLACK} x "
+                            f"{high}/{low} = {bound:.2f}: {'-' if growth is None else f'{growth:.3f}'}"})
+    for target in out:
+        target["line"] += f" -> {verdict(target['ok'])}"
+    return out
+
+
+def main_context_parallel(args: argparse.Namespace, model_cfg: dict, backends: list[str], skipped: dict[str, str],
+                          segments: dict[int, list[int]], started: float) -> dict:
+    """``--context-parallel N``: CP = 1 vs CP = N on one packed row with images per (backend, L)."""
+    rows = cp_rows(args, model_cfg, backends, segments)
+    lines = header_lines(args, model_cfg, backends, skipped, segments)
+    lines[1] += (f"; each segment opens with one image of {math.prod(IMAGE_GRID)} patches per {TOKENS_PER_IMAGE} "
+                 "tokens; CP ranks over gloo, numbers of the worst rank; saved = bytes autograd keeps for backward "
+                 "(SavedForBackward), vision = FlopCounterMode inside model.visual on the first step")
+    lines.append(f"{'backend':<14s} {'L':>6s} {'CP':>3s} {'saved MiB/rank':>15s} {'vision GFLOP/rank':>18s} "
+                 f"{'step s':>8s}")
+    for row in rows:
+        lines.append(f"{row['backend']:<14s} {row['length']:>6d} {row['cp']:>3d} {row['saved_bytes'] / MIB:>15.1f} "
+                     f"{row['vision_flops'] / 1e9:>18.3f} {row['step_s']:>8.3f}")
+    targets = cp_targets(rows, args.default_backend, args.lengths, args.context_parallel)
+    lines.append(f"targets for {args.default_backend}:")
+    lines += [f"  {t['line']}" for t in targets]
+    seconds = time.perf_counter() - started
+    lines.append(f"bench time {seconds:.1f} s")
+    return {"recipe": RECIPE, "args": vars(args), "backends": backends, "skipped": skipped, "rows": rows,
+            "targets": targets, "ok": all(t["ok"] for t in targets), "seconds": seconds, "lines": lines}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=list(DEFAULT_LENGTHS), help="packed row lengths")
@@ -596,8 +782,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout-s", type=float, default=600.0,
                         help="kill a measurement (warm-up and repeats) running longer than this (0: no limit)")
     parser.add_argument("--seed", type=int, default=0, help="segment lengths, token ids and weights")
+    parser.add_argument("--context-parallel", type=int, default=1,
+                        help="N > 1: CP = 1 vs CP = N (N gloo ranks started here) on one packed row with images")
     parser.add_argument("--json", type=Path, help="write every number here")
     args = parser.parse_args(argv)
+    if args.context_parallel < 1 or args.heads % args.context_parallel or args.kv_heads % args.context_parallel:
+        parser.error("--context-parallel must be >= 1 and divide --heads and --kv-heads")
     if min(args.lengths) < 2 * MIN_SEGMENT:
         parser.error(f"--lengths must be >= {2 * MIN_SEGMENT}")
     args.lengths = sorted(set(args.lengths))
@@ -620,8 +810,11 @@ def main(argv: list[str] | None = None) -> dict:
     model_cfg = model_config(args)
     segments = {length: segment_lengths(length, args.segment_median, args.segment_sigma, args.max_segment, args.seed)
                 for length in args.lengths}
-    rows, references = measure_all(args, model_cfg, backends, segments)
-    result = report(args, model_cfg, backends, skipped, segments, rows, references, time.perf_counter() - started)
+    if args.context_parallel > 1:
+        result = main_context_parallel(args, model_cfg, backends, skipped, segments, started)
+    else:
+        rows, references = measure_all(args, model_cfg, backends, segments)
+        result = report(args, model_cfg, backends, skipped, segments, rows, references, time.perf_counter() - started)
     print("\n".join(result["lines"]))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,12 @@ This module is the kit's public entry point; the checks live in ``mvp_engine.eng
 """
 
 from .config import CONF_DIR
+from .testkit.context_parallel import (
+    SplitReport,
+    check_split_row_equivalence,
+    check_split_training,
+    split_inside_media,
+)
 from .testkit.encoders import (
     check_assistant_only_labels,
     check_bad_records_name_origin,
@@ -82,6 +88,10 @@ from .testkit.structure import (
 from .testkit.validate import hard_commands, validate_recipe
 
 __all__ = [
+    "SplitReport",
+    "check_split_row_equivalence",
+    "check_split_training",
+    "split_inside_media",
     "CONF_DIR",
     "LAUNCH_ENV",
     "LEAK_FLOOR",

@@ -398,6 +398,8 @@ class Trainer:
         are gathered, counted (in the epoch's ledger and by source) and reported, and stop every rank together (one
         line) under ``on_bad_record=error`` or past ``data.max_bad_fraction``."""
         local_bad = [bad for batch in group for bad in batch.pop("bad_records", ())]
+        if not self.layout.counts_rows:  # the CP group's ranks decoded the same packs: its first rank reports them
+            local_bad = []
         flags = torch.tensor([float(preemption.requested), float(len(local_bad))], device=self.accelerator.device)
         stop, bad = self.accelerator.reduce(flags, reduction="sum").tolist()
         if bad:

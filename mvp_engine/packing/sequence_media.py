@@ -41,7 +41,7 @@ def shares(patches: list[int], size: int) -> list[tuple[int, int]]:
     cuts, running, item = [0], 0, 0
     for rank in range(1, size):
         target = total * rank / size
-        while item < len(patches) and running + patches[item] / 2 < target:
+        while item < len(patches) and running + patches[item] / 2 <= target:
             running += patches[item]
             item += 1
         cuts.append(item)

@@ -1,0 +1,166 @@
+"""Context parallelism's exactness checks: a whole packed row split over 2 gloo ranks computes what it computes
+unsplit (logits of every position, the loss, every parameter's gradient summed over the CP ranks), per backend.
+
+The rows are the equivalence case's (several samples with images, a text-only sample, the recipe's clip when it
+takes video) padded so that the cut between the two ranks falls inside an image's placeholder run: its features
+are cut by the exchange, never its pixels. The CP side runs in two spawned processes (``torch.multiprocessing``
+over a file store), each with the engine's own ``sequence_parallel_forward``; the reference runs here.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from mvp_engine.packing import SequenceShard, enable_ulysses, set_sequence_shard
+
+from ..context_parallel import sequence_parallel_forward
+from ..loss import weighted_token_loss
+from ..participation import dummy_passes, media_kinds
+from .equivalence import EquivalenceCase, collate_rows
+from .launch import final_weights, launch, max_weight_difference, read_metrics, read_summary
+from .records import write_mixed_jsonl
+from .structure import backward_available
+
+CP_SIZE = 2
+
+
+def split_inside_media(case: EquivalenceCase, size: int = CP_SIZE) -> dict:
+    """The case's rows padded to a width whose cut between CP ranks falls inside an image placeholder run of some
+    row (searched over the padding; the padding is each row's own inactive segment)."""
+    model = case.recipe.build_model(case.model_cfg, "sdpa")
+    config = model.config
+    image_token = getattr(config, "image_token_id", None) or config.image_token_index
+    longest = max(sum(s.length for s in row) for row in case.rows)
+    for extra in range(1, longest):
+        batch = collate_rows(case.rows, case.pad_token_id, extra_pad=extra)
+        width = batch["input_ids"].shape[1]
+        if width % size:
+            continue
+        cut = width // size
+        ids = batch["input_ids"]
+        if bool(((ids[:, cut - 1] == image_token) & (ids[:, cut] == image_token)).any()):
+            return batch
+    raise AssertionError(f"{case.recipe.name}: no padding puts the CP cut inside an image's placeholder run")
+
+
+@dataclass
+class SplitReport:
+    """CP = 2 vs unsplit on one backend."""
+
+    backend: str
+    max_logit_diff: float
+    loss_diff: float
+    grad_rel_diff: float | None  # None: backward not available on this machine (flex on CPU)
+
+    def line(self) -> str:
+        grads = "not checked (no CPU backward)" if self.grad_rel_diff is None else f"{self.grad_rel_diff:.2e}"
+        return (f"{self.backend}: max logit diff {self.max_logit_diff:.2e}, loss diff {self.loss_diff:.2e}, "
+                f"max relative grad diff {grads}")
+
+
+def _forward_and_grads(case: EquivalenceCase, batch: dict, backend: str, shard: SequenceShard | None):
+    """Logits (this rank's chunk under CP), this rank's part of the token-mean loss over the whole rows, and the
+    parameter gradients (None where backward is not available)."""
+    model = case.recipe.build_model(case.model_cfg, backend).eval()
+    dummy, kinds = case.recipe.dummy_media(model), media_kinds(model)
+    grads = backward_available(backend)
+    with torch.set_grad_enabled(grads):
+        kwargs = case.recipe.prepare_packed(batch, model, backend)
+        if shard is None:
+            outputs, zero, span = model(**kwargs), None, None
+        else:
+            enable_ulysses(model, shard)
+            outputs, zero = sequence_parallel_forward(model, kwargs, shard, kinds, dummy, dummy_passes(batch, kinds))
+            span = shard.span(batch["input_ids"].shape[-1])
+        part = weighted_token_loss(outputs.logits, batch["labels"], batch["pack_segment_ids"], "token", span)
+        loss = part.weighted_sum / float((batch["labels"][:, 1:] != -100).sum())
+        loss = loss if zero is None else loss + zero
+        gradients = None
+        if grads:
+            loss.backward()
+            gradients = [torch.zeros_like(p) if p.grad is None else p.grad for p in model.parameters()]
+    return outputs.logits.detach(), loss.detach(), gradients
+
+
+def _split_worker(rank: int, recipe: str, workdir: str, backends: list[str], out: str) -> None:
+    """One CP rank: the case rebuilt (same records, same seeds), each backend's forward and backward on this rank's
+    chunk; rank 0 writes the gathered logits, the summed loss and the summed gradients."""
+    from .equivalence import equivalence_case  # the worker builds its own case: nothing large is pickled
+
+    dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=CP_SIZE)
+    try:
+        shard = SequenceShard(dist.group.WORLD, rank, CP_SIZE)
+        case = equivalence_case(recipe, Path(workdir) / f"rank{rank}")
+        batch = split_inside_media(case)
+        results = {}
+        for backend in backends:
+            logits, loss, gradients = _forward_and_grads(case, batch, backend, shard)
+            pieces = [torch.empty_like(logits) for _ in range(CP_SIZE)]
+            dist.all_gather(pieces, logits.contiguous())
+            dist.all_reduce(loss)
+            for g in gradients or ():
+                dist.all_reduce(g)
+            results[backend] = (torch.cat(pieces, dim=1), loss, gradients)
+        if rank == 0:
+            torch.save(results, out)
+    finally:
+        set_sequence_shard(None)
+        dist.destroy_process_group()
+
+
+def _relative(gradients: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
+    worst = 0.0
+    for g, ref in zip(gradients, reference):
+        scale = float(ref.norm())
+        worst = max(worst, float((g - ref).norm()) / scale if scale > 1e-8 else float(g.abs().max()))
+    return worst
+
+
+def check_split_row_equivalence(case: EquivalenceCase, backends: list[str], workdir: Path) -> list[SplitReport]:
+    """CP = 2 (two spawned gloo ranks) vs unsplit on each of ``backends``: the whole rows' logits, the loss and
+    every parameter gradient (summed over the CP ranks) agree; returns one report per backend."""
+    workdir = Path(tempfile.mkdtemp(dir=workdir))
+    out = workdir / "split.pt"
+    mp.spawn(_split_worker, args=(case.recipe.name, str(workdir), list(backends), str(out)), nprocs=CP_SIZE,
+             join=True)
+    split = torch.load(out)
+    batch = split_inside_media(case)
+    reports = []
+    for backend in backends:
+        logits, loss, gradients = _forward_and_grads(case, batch, backend, None)
+        split_logits, split_loss, split_gradients = split[backend]
+        reports.append(SplitReport(backend, float((split_logits - logits).abs().max()),
+                                   abs(float(split_loss) - float(loss)),
+                                   None if gradients is None else _relative(split_gradients, gradients)))
+    return reports
+
+
+def check_split_training(recipe: str, run_dir: Path, split: tuple[int, int], reference: tuple[int, int],
+                         epochs: int = 1, tol: float = 1e-5) -> str:
+    """Real runs of ``recipe`` on mixed image / text-only data, (processes, CP size) ``split`` against
+    ``reference``: the same steps and per-step counts (each row counted once), losses and final weights within
+    ``tol``, estimated == actual steps. Returns the line with the measured differences."""
+    data = write_mixed_jsonl(run_dir / "data")
+    common = ["+packing=greedy", f"data.sources=[{data}]", "data.shuffle=false", "data.max_seq_len=320",
+              f"train.epochs={epochs}", "train.micro_batch_size=1", "train.learning_rate=5e-3"]
+    for name, (nproc, cp) in (("split", split), ("reference", reference)):
+        launch(recipe, run_dir / name, [*common, f"train.context_parallel_size={cp}"], nproc=nproc, timeout=600)
+    split_metrics, reference_metrics = read_metrics(run_dir / "split"), read_metrics(run_dir / "reference")
+    assert len(split_metrics) == len(reference_metrics) >= 2
+    for key in ("samples", "effective_tokens", "supervised_tokens", "lr"):
+        assert [m[key] for m in split_metrics] == [m[key] for m in reference_metrics], key
+    loss = max(abs(a["loss"] - b["loss"]) for a, b in zip(split_metrics, reference_metrics))
+    weights = max_weight_difference(final_weights(run_dir / "split"), final_weights(run_dir / "reference"))
+    summary = read_summary(run_dir / "split")
+    assert summary["estimated_steps"] == summary["actual_steps"] == len(split_metrics)
+    assert summary["context_parallel_size"] == split[1]
+    line = (f"{recipe} {split[0]} processes x CP {split[1]} vs {reference[0]} x CP {reference[1]}: "
+            f"{len(split_metrics)} steps, max loss diff {loss:.2e}, max weight diff {weights:.2e}")
+    assert loss <= tol and weights <= tol, line
+    return line
