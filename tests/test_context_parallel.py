@@ -88,3 +88,23 @@ def test_the_chunks_losses_add_up_to_the_whole_rows(reduction):
     assert torch.allclose(sum(p.weighted_sum for p in parts), whole.weighted_sum, atol=1e-6)
     assert torch.allclose(sum(token_weights(labels, segments, reduction, span).sum() for span in ((0, 4), (4, 8))),
                           token_weights(labels, segments, reduction).sum())
+
+
+def test_planning_splits_rows_over_data_parallel_ranks_only(tmp_path):
+    """The step estimate and the report of a 4-process CP = 2 run are those of 2 data-parallel ranks."""
+    from mvp_engine.engine.demo import with_demo_data
+    from mvp_engine.engine.plan_report import estimate_from_dataset
+    from mvp_engine.engine.run_data import planning_dataset
+
+    def plan(world: int, cp: int):
+        cfg = with_demo_data(kit.compose_config("llava", ["+packing=greedy", f"train.context_parallel_size={cp}",
+                                                          f"demo.out_dir={tmp_path / 'demo'}"]))
+        planning = planning_dataset(cfg, kit.load_recipe("llava"), world)
+        return planning, estimate_from_dataset(planning.dataset, planning.specs.train)
+
+    (split, split_estimate), (reference, reference_estimate) = plan(4, 2), plan(2, 1)
+    assert split.world_size == 4 and split.dataset.world_size == reference.dataset.world_size == 2
+    assert split_estimate["total_optimizer_steps"] == reference_estimate["total_optimizer_steps"]
+    assert split_estimate["context_parallel_size"] == 2
+    with pytest.raises(ConfigError, match="context_parallel_size=2 does not divide the 3 processes"):
+        plan(3, 2)

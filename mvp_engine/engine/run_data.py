@@ -51,10 +51,16 @@ class Planning:
 
 
 def planning_dataset(cfg: DictConfig, recipe: Recipe, world_size: int = 1) -> Planning:
-    """The run's dataset as ``Trainer`` builds it, rank 0 of ``world_size``, with the cost model read from the
+    """The run's dataset as ``Trainer`` builds it, rank 0 of ``world_size`` (over its data-parallel ranks, i.e.
+    ``world_size / train.context_parallel_size``), with the cost model read from the
     model built on the meta device: what reports and estimates plan, from metadata alone."""
     specs = resolve_run_specs(cfg, recipe.attention_backends)
+    context = specs.train.context_parallel_size
+    if world_size % context:
+        raise ConfigError(f"train.context_parallel_size={context} does not divide the {world_size} processes "
+                          "(world = data-parallel x context-parallel)")
     encoder = recipe.build_encoder(recipe.build_processor(cfg.model))
     profile = planning_cost_profile(recipe, cfg.model)
-    return Planning(recipe=recipe, specs=specs, dataset=build_run_dataset(specs, encoder, profile, 0, world_size),
-                    world_size=world_size, cost_profile=profile)
+    # a CP group shares its rows: the data (and the steps) are split over the data-parallel ranks only
+    dataset = build_run_dataset(specs, encoder, profile, 0, world_size // context)
+    return Planning(recipe=recipe, specs=specs, dataset=dataset, world_size=world_size, cost_profile=profile)
