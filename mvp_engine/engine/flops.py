@@ -55,7 +55,7 @@ from mvp_engine.packing import (
 from .lora import add_adapters, idle_modules, lora_spec, running_module
 
 VISION_NAMES = ("visual", "vision_tower", "vision_model")
-PROJECTOR_NAMES = ("multi_modal_projector", "merger", "projector")
+PROJECTOR_NAMES = ("multi_modal_projector", "merger", "projector", "embed_vision")
 LINEAR_CHUNK = 64  # transformers' chunk_gated_delta_rule default
 FULL_ATTENTION_TYPES = ("full_attention", "chunked_attention")  # chunked (Llama 4): counted as full
 SLIDING_TYPE = "sliding_attention"
@@ -216,14 +216,17 @@ def cost_profile(model: torch.nn.Module, unreachable: Iterable[str] = ()) -> Cos
         profile["lm_linear_token"] = Rate(core, 2 * core if lm_grad else 0)
         profile["linear_chunk"] = LINEAR_CHUNK
     if vision is not None:
-        width = int(getattr(vision, "embed_dim", None) or vision.hidden_size)
+        heads = getattr(vision, "num_attention_heads", None) or getattr(vision, "num_heads", None)
+        head_dim = getattr(vision, "head_dim", None)  # Gemma 4's tower: heads x head_dim is not its hidden size
+        width = int(heads) * int(head_dim) if heads and head_dim else int(getattr(vision, "embed_dim", None)
+                                                                          or vision.hidden_size)
         blocks = [(name, m) for name, m in model.named_modules()
                   if _part(name) == "vision" and type(m).__name__.endswith("Attention")]
         reached = [name for name, m in blocks
                    if any(f"{name}.{n}" not in unreachable for n, _ in m.named_parameters())]
         profile["vision_pair"] = Rate(4 * width * len(blocks), 8 * width * len(reached) if vision_trains else 0)
-        merge = int(getattr(vision, "spatial_merge_size", 1) or 1)
-        profile["patches_per_media_token"] = merge * merge
+        merge = int(getattr(vision, "spatial_merge_size", None) or getattr(vision, "pooling_kernel_size", None) or 1)
+        profile["patches_per_media_token"] = merge * merge  # merged (Qwen) or pooled (Gemma 4) k x k patches
         strategy = getattr(config, "vision_feature_select_strategy", None)
         has_cls = "clip" in str(getattr(vision, "model_type", ""))
         profile["extra_positions_per_item"] = 1 if has_cls and strategy == "default" else 0
@@ -265,8 +268,9 @@ def planning_cost_profile(recipe, model_cfg) -> CostProfile:
 # --- counting a batch ---------------------------------------------------------------------------------------------
 
 
-def _media_units(profile: CostProfile, media: Mapping) -> WorkUnits:
-    """Vision work of the media fields of a batch (or of a recipe's dummy media kwargs)."""
+def _media_units(profile: CostProfile, media: Mapping, padded: bool = True) -> WorkUnits:
+    """Vision work of the media fields of a batch (or of a recipe's dummy media kwargs); ``padded=False``: of the
+    real patches only, where images come padded to one patch count (their padding positions -1)."""
     tokens = squares = items = 0
     ppt = profile.patches_per_media_token
     for kind in (IMAGES, VIDEOS):
@@ -279,6 +283,12 @@ def _media_units(profile: CostProfile, media: Mapping) -> WorkUnits:
             count = int(media[kind.patch_key].shape[0])  # stacked images of one fixed size
             n = profile.item_patches // ppt
             tokens, squares, items = tokens + count * n, squares + count * n * n, items + count
+        elif kind is IMAGES and media.get(kind.patch_key) is not None and media[kind.patch_key].dim() == 3:
+            count, patches = media[kind.patch_key].shape[:2]  # pre-patchified images padded to one patch count
+            positions = next((media[k] for k in kind.item_keys if media.get(k) is not None), None)
+            real = [int(patches)] * count if padded or positions is None else (positions != -1).all(-1).sum(-1).tolist()
+            sizes = [n // ppt for n in real]
+            tokens, squares, items = tokens + sum(sizes), squares + sum(n * n for n in sizes), items + int(count)
     return profile.media_units(tokens, squares, items)
 
 
@@ -379,7 +389,7 @@ def batch_flops(profile: CostProfile, batch: Mapping, attention: str, dummy_medi
     segment_ids = batch["pack_segment_ids"]
     rows, width = segment_ids.shape
     spans = _row_spans(segment_ids)
-    media = _media_units(profile, batch)
+    media, useful_media = _media_units(profile, batch), _media_units(profile, batch, padded=False)
     effective = int((segment_ids >= 0).sum())
     block_ids = _block_ids(profile, batch) if profile.has_blocks else None
     blocks = (_span_blocks(block_ids, spans) if block_ids is not None
@@ -387,7 +397,8 @@ def batch_flops(profile: CostProfile, batch: Mapping, attention: str, dummy_medi
     real = [(n, extra) for row, row_blocks in zip(spans, blocks) for (n, is_real), (extra, _) in zip(row, row_blocks)
             if is_real]
     full, sliding = useful_pairs(profile, [n for n, _ in real], sum(extra for _, extra in real))
-    useful = media + WorkUnits(lm_tokens=effective, lm_linear_tokens=effective, lm_pairs=full, lm_sliding_pairs=sliding)
+    useful = useful_media + WorkUnits(lm_tokens=effective, lm_linear_tokens=effective, lm_pairs=full,
+                                      lm_sliding_pairs=sliding)
     chunked = chunked_tokens(spans if packed else [[(width, True)]] * rows, profile.linear_chunk)
     kind = packed_inputs(attention)
     if profile.sliding_window or profile.has_blocks:

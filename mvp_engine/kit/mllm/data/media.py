@@ -13,20 +13,23 @@ from .sample import MLLMSample
 @dataclass(frozen=True)
 class MediaKind:
     """One kind of media item in ``MLLMSample.media``: the field holding its pixels, its per-item grid field (when
-    the layout has one) and the batch fields naming each item's segment and row."""
+    the layout has one), the batch fields naming each item's segment and row, and ``item_keys``: fields with one
+    row per item beside stacked pixels (Gemma 4's ``image_position_ids``, each patch's (x, y), -1 for padding)."""
 
     name: str
     patch_key: str
     grid_key: str
     segment_key: str
     row_key: str
+    item_keys: tuple[str, ...] = ()
 
     @property
-    def keys(self) -> tuple[str, str]:
-        return self.patch_key, self.grid_key
+    def keys(self) -> tuple[str, ...]:
+        return self.patch_key, self.grid_key, *self.item_keys
 
 
-IMAGES = MediaKind("image", "pixel_values", "image_grid_thw", "media_segment_ids", "media_batch_index")
+IMAGES = MediaKind("image", "pixel_values", "image_grid_thw", "media_segment_ids", "media_batch_index",
+                   item_keys=("image_position_ids",))
 VIDEOS = MediaKind("video", "pixel_values_videos", "video_grid_thw", "video_segment_ids", "video_batch_index")
 MEDIA_KINDS = (IMAGES, VIDEOS)
 OWNER_KEYS = frozenset(key for kind in MEDIA_KINDS for key in (kind.segment_key, kind.row_key))
@@ -37,7 +40,8 @@ class MLLMMediaHandler:
 
     Two layouts are seen in practice and both merge by concatenation: flattened patches plus a grid per item
     (Qwen2-VL: ``pixel_values`` ``[patches, D]`` with ``image_grid_thw`` ``[items, 3]``; its videos likewise in
-    ``pixel_values_videos`` / ``video_grid_thw``) and stacked images (LLaVA: ``pixel_values`` ``[items, C, H, W]``).
+    ``pixel_values_videos`` / ``video_grid_thw``) and stacked images (LLaVA: ``pixel_values`` ``[items, C, H, W]``;
+    Gemma 4: pre-patchified ``[items, max_patches, D]`` with ``image_position_ids`` ``[items, max_patches, 2]``).
     With a grid, the patch rows must equal the sum of the grids' products and the items are the grid's rows;
     without, the items are the patch field's rows. A sample's items of all kinds add up to its ``num_media``.
     Samples may carry different kinds (an image sample next to a video sample); those carrying the same kind carry
@@ -56,6 +60,10 @@ class MLLMMediaHandler:
                                  f"{kind.patch_key!r}")
             return 0
         rows = media[kind.patch_key].shape[0]
+        for key in kind.item_keys:
+            if key in media and media[key].shape[0] != rows:
+                raise ValueError(f"sample {sample.sample_id!r}: media field {key!r} has {media[key].shape[0]} rows, "
+                                 f"expected one per item of {kind.patch_key!r} ({rows})")
         grid = media.get(kind.grid_key)
         if grid is None:
             return rows

@@ -1,0 +1,15 @@
+"""Train Gemma 4: ``python -m recipes.gemma4.train +packing=greedy`` (no ``+packing``: padded baseline)."""
+
+from __future__ import annotations
+
+from mvp_engine.engine.recipe import Recipe
+from mvp_engine.engine.trainer import hydra_main
+
+from . import model, packed
+from .encoder import Gemma4SampleEncoder
+
+RECIPE = Recipe.from_modules("gemma4", model=model, packed=packed, encoder=Gemma4SampleEncoder)
+main = hydra_main(RECIPE)
+
+if __name__ == "__main__":
+    main()
