@@ -20,6 +20,14 @@ def test_dp2_by_cp2_on_four_processes_trains_what_dp2_trains(tmp_path):
     print(kit.check_split_training("llava", tmp_path, split=(4, 2), reference=(2, 1), epochs=2))
 
 
+@pytest.mark.slow
+def test_cp2_with_fsdp2_and_recomputation_trains_what_one_process_trains(tmp_path):
+    """Qwen3-VL (clips, DeepStack): FSDP2 shards over the whole world (both CP ranks), the recomputed layers run
+    their all-to-alls again in backward."""
+    print(kit.check_split_training("qwen3_vl", tmp_path, split=(2, 2), reference=(1, 1),
+                                   split_overrides=("train.sharding=fsdp2", "train.activation_checkpointing=true")))
+
+
 def _accelerator(processes: int):
     return SimpleNamespace(num_processes=processes, process_index=0, device=torch.device("cpu"))
 

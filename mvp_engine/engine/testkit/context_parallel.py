@@ -142,15 +142,17 @@ def check_split_row_equivalence(case: EquivalenceCase, backends: list[str], work
 
 
 def check_split_training(recipe: str, run_dir: Path, split: tuple[int, int], reference: tuple[int, int],
-                         epochs: int = 1, tol: float = 1e-5) -> str:
+                         epochs: int = 1, split_overrides: tuple[str, ...] = (), tol: float = 1e-5) -> str:
     """Real runs of ``recipe`` on mixed image / text-only data, (processes, CP size) ``split`` against
     ``reference``: the same steps and per-step counts (each row counted once), losses and final weights within
-    ``tol``, estimated == actual steps. Returns the line with the measured differences."""
+    ``tol``, estimated == actual steps (``split_overrides``: more keys of the split run, e.g. FSDP2). Returns the
+    line with the measured differences."""
     data = write_mixed_jsonl(run_dir / "data")
     common = ["+packing=greedy", f"data.sources=[{data}]", "data.shuffle=false", "data.max_seq_len=320",
               f"train.epochs={epochs}", "train.micro_batch_size=1", "train.learning_rate=5e-3"]
-    for name, (nproc, cp) in (("split", split), ("reference", reference)):
-        launch(recipe, run_dir / name, [*common, f"train.context_parallel_size={cp}"], nproc=nproc, timeout=600)
+    for name, (nproc, cp), extra in (("split", split, split_overrides), ("reference", reference, ())):
+        launch(recipe, run_dir / name, [*common, f"train.context_parallel_size={cp}", *extra], nproc=nproc,
+               timeout=600)
     split_metrics, reference_metrics = read_metrics(run_dir / "split"), read_metrics(run_dir / "reference")
     assert len(split_metrics) == len(reference_metrics) >= 2
     for key in ("samples", "effective_tokens", "supervised_tokens", "lr"):
@@ -160,7 +162,8 @@ def check_split_training(recipe: str, run_dir: Path, split: tuple[int, int], ref
     summary = read_summary(run_dir / "split")
     assert summary["estimated_steps"] == summary["actual_steps"] == len(split_metrics)
     assert summary["context_parallel_size"] == split[1]
-    line = (f"{recipe} {split[0]} processes x CP {split[1]} vs {reference[0]} x CP {reference[1]}: "
+    line = (f"{recipe} {split[0]} processes x CP {split[1]} {' '.join(split_overrides)} vs {reference[0]} x CP "
+            f"{reference[1]}: "
             f"{len(split_metrics)} steps, max loss diff {loss:.2e}, max weight diff {weights:.2e}")
     assert loss <= tol and weights <= tol, line
     return line
