@@ -56,6 +56,14 @@ def test_heads_that_do_not_split_are_one_line_naming_the_numbers():
     assert inner_backend(model.config.text_config._attn_implementation) == "sdpa"  # left as it was
 
 
+def test_per_layer_heads_are_checked_layer_by_layer():
+    """Gemma 4's full-attention layer has one key/value head: it cannot split over 2 ranks, and the line says where."""
+    model = kit.load_recipe("gemma4").build_model(kit.compose_config("gemma4").model, "sdpa")
+    layout = ParallelLayout(world_size=2, rank=0, cp_size=2, shard=SequenceShard(None, 0, 2))
+    with pytest.raises(ConfigError, match=r"num_key_value_heads=1 \(layers 2\) is not divisible by 2"):
+        make_sequence_parallel(model, layout)
+
+
 def test_layout_coordinates_and_row_multiple():
     layouts = [ParallelLayout(world_size=4, rank=r, cp_size=2) for r in range(4)]
     assert [(x.dp_rank, x.dp_size, x.counts_rows) for x in layouts] == [(0, 2, True), (0, 2, False), (1, 2, True),

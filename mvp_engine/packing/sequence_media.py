@@ -28,10 +28,13 @@ from .unwrap import unwrap_model
 
 
 def item_patches(media: Mapping[str, Any], kind: MediaKind) -> list[int]:
-    """Patch rows of each item of ``kind``: a grid's product (flattened patches) or one row each (stacked)."""
+    """Patch rows of each item of ``kind``: a grid's product (flattened patches), its count (stacked tiles) or one
+    row each (stacked images)."""
     grid = media.get(kind.grid_key)
     if grid is not None:
         return [int(n) for n in grid.prod(dim=-1).tolist()]
+    if kind.count_key and media.get(kind.count_key) is not None:
+        return [int(n) for n in media[kind.count_key].tolist()]
     return [1] * int(media[kind.patch_key].shape[0])
 
 
@@ -82,8 +85,9 @@ def _encode_share(model, media: Mapping[str, Any], kind: MediaKind, share: tuple
     patches = item_patches(media, kind)
     first, last = sum(patches[:start]), sum(patches[:end])
     inputs = {kind.patch_key: media[kind.patch_key][first:last]}
-    if media.get(kind.grid_key) is not None:
-        inputs[kind.grid_key] = media[kind.grid_key][start:end]
+    for key in (kind.grid_key, *kind.item_keys):  # one row per item (the count key is the kit's, not the model's)
+        if media.get(key) is not None:
+            inputs[key] = media[key][start:end]
     encode = inner.get_image_features if kind is IMAGES else inner.get_video_features
     outputs = encode(**inputs, return_dict=True)
     return outputs, _features(outputs), None
@@ -104,7 +108,9 @@ def encode_media_shares(model, media: Mapping[str, Any], input_ids: torch.Tensor
         if dummy_loss is not None:
             zero = dummy_loss if zero is None else zero + dummy_loss
         local_parts = _exchange(parts, input_ids == _placeholder_id(model, kind), shard, kind)
-        outputs.pooler_output = (local_parts[0],)
+        # in the form the model's forward reads: per-item tuples (Qwen, LLaVA) or one tensor (Gemma 3)
+        tensor = isinstance(outputs.pooler_output, torch.Tensor)
+        outputs.pooler_output = local_parts[0] if tensor else (local_parts[0],)
         if getattr(outputs, "deepstack_features", None) is not None:
             outputs.deepstack_features = [(part,) for part in local_parts[1:]]
         encoder_outputs[kind.name] = outputs

@@ -22,6 +22,8 @@ import torch
 from torch.distributed import ProcessGroup
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
+from mvp_engine.kit.mllm.data.sample import TOKEN_FIELD_PADS
+
 
 @dataclass(frozen=True)
 class SequenceShard:
@@ -80,11 +82,12 @@ def exchange_rows(rows: torch.Tensor, send_counts: list[int], receive_counts: li
 
 
 def local_model_kwargs(kwargs: Mapping[str, Any], shard: SequenceShard) -> dict[str, Any]:
-    """Whole-row model kwargs cut to this rank's chunk: ``input_ids`` and ``position_ids`` (any rows: 1-D or
-    M-RoPE) along their token dimension. Masks, ``cu_seq_lens`` and media stay whole: attention runs on the whole
-    row after the all-to-all, and the media are encoded by share (``sequence_media``)."""
+    """Whole-row model kwargs cut to this rank's chunk: ``input_ids``, ``position_ids`` (any rows: 1-D or M-RoPE)
+    and the per-token fields (token type ids) along their token dimension. Masks, ``cu_seq_lens`` and media stay
+    whole: attention runs on the whole row after the all-to-all, and the media are encoded by share
+    (``sequence_media``)."""
     local = dict(kwargs)
-    for key in ("input_ids", "position_ids"):
+    for key in ("input_ids", "position_ids", *TOKEN_FIELD_PADS):
         if local.get(key) is not None:
             local[key] = shard.local(local[key], dim=-1)
     return local

@@ -69,21 +69,33 @@ def register() -> None:
         ALL_MASK_ATTENTION_FUNCTIONS.register(f"{PREFIX}{backend}", ALL_MASK_ATTENTION_FUNCTIONS[backend])
 
 
-def head_counts(model) -> dict[str, int]:
-    """Every head count the all-to-alls split: attention (query, key/value) and linear attention's key / value
-    heads, by config key, from the language model's config."""
+def head_counts(model) -> dict[str, dict[int, list[int]]]:
+    """Every head count the all-to-alls split (attention's query and key/value heads, linear attention's key and
+    value heads), by config key: each value and the layers that have it (the layers may differ: Gemma 4)."""
     config = unwrap_model(model).config
     text = getattr(config, "text_config", None) or config
     keys = ("num_attention_heads", "num_key_value_heads", "linear_num_key_heads", "linear_num_value_heads")
-    return {key: int(getattr(text, key)) for key in keys if getattr(text, key, None) is not None}
+    layers = getattr(text, "per_layer_config", None)
+    counts: dict[str, dict[int, list[int]]] = {}
+    for index, layer in enumerate([text] if layers is None else layers):
+        for key in keys:
+            if getattr(layer, key, None) is not None:
+                counts.setdefault(key, {}).setdefault(int(getattr(layer, key)), []).append(index)
+    return counts
 
 
 def check_heads(model, size: int) -> None:
-    """One line naming the numbers when a head count does not split over the CP group."""
-    bad = {key: n for key, n in head_counts(model).items() if n % size}
+    """One line naming the numbers (and the layers, where they differ) when a head count does not split over the CP
+    group."""
+    bad = []
+    for key, values in head_counts(model).items():
+        for value, layers in values.items():
+            if value % size:
+                where = "" if len(values) == 1 else f" (layers {', '.join(map(str, layers))})"
+                bad.append(f"{key}={value}{where}")
     if bad:
         raise ValueError(f"train.context_parallel_size={size}: Ulysses splits heads over the CP group, but "
-                         + ", ".join(f"{key}={n}" for key, n in bad.items()) + f" is not divisible by {size}")
+                         f"{', '.join(bad)} is not divisible by {size}")
 
 
 def enable_ulysses(model, shard: SequenceShard):
