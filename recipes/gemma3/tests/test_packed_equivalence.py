@@ -27,11 +27,21 @@ class TestPackedEquivalence(EquivalenceSuite):
         assert int(case.batch["token_type_ids"].sum()) == 16 * 5
 
     def test_a_batch_without_token_type_ids_is_refused(self, case):
-        model = case.recipe.build_model(case.model_cfg, "sdpa")
+        """Why the guard: without ``token_type_ids`` the model's own forward runs, causal inside the image."""
+        model = case.recipe.build_model(case.model_cfg, "sdpa").eval()
         batch = {k: v for k, v in case.batch.items() if k != "token_type_ids"}
         for prepare in (prepare_packed, case.recipe.prepare_padded):
             with pytest.raises(ValueError, match="no 'token_type_ids'.*silently drops"):
                 prepare(batch, model, "sdpa")
+        alone = case.alone(case.samples[0])  # one image
+        kwargs = case.recipe.prepare_padded(alone, model, "sdpa")
+        with torch.no_grad():
+            with_types = model(**kwargs).logits
+            kwargs.pop("token_type_ids")
+            without = model(**kwargs).logits
+        difference = (with_types - without).abs().max().item()
+        print(f"one-image sample, the model's own forward without token_type_ids: max logit diff {difference:.3e}")
+        assert difference > 1e-3
 
 
 def transformers_packed_forward(case, model):
