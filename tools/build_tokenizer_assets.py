@@ -294,21 +294,28 @@ QWEN3_VL_CHAT_TEMPLATE = r"""{%- macro render_parts(content) %}
 
 
 def build_qwen2_bpe(out_dir: Path, chat_template: str, vocab_size: int = 3000, tokenizer_cls=None,
-                    split_regex: str | None = None) -> None:
+                    split_regex: str | None = None, special_tokens: list[str] | None = None,
+                    named_tokens: dict[str, str] | None = None, **tokenizer_kwargs) -> None:
     """Qwen2 byte-level BPE (Qwen2's own split regex and NFC; Qwen3 tokenises alike), the Qwen vision-language
-    special tokens and ``chat_template``; ``tokenizer_cls`` / ``split_regex`` replace Qwen2's (Qwen3.5)."""
+    special tokens and ``chat_template``; ``tokenizer_cls`` / ``split_regex`` replace Qwen2's (Qwen3.5),
+    ``special_tokens`` the Qwen ones (the first is padding), ``named_tokens`` names some as the family's processor
+    reads them (InternVL's ``context_image_token``, ...)."""
     from transformers import AddedToken
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX, Qwen2Tokenizer
 
+    special_tokens = special_tokens or QWEN2_VL_SPECIAL_TOKENS
     pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(split_regex or PRETOKENIZE_REGEX), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
-    vocab, merges = train_byte_level_bpe(QWEN2_VL_SPECIAL_TOKENS, vocab_size, pre_tokenizer, normalizers.NFC())
-    tokenizer = (tokenizer_cls or Qwen2Tokenizer)(vocab=vocab, merges=merges, model_max_length=32768, errors="replace")
+    vocab, merges = train_byte_level_bpe(special_tokens, vocab_size, pre_tokenizer, normalizers.NFC())
+    tokenizer = (tokenizer_cls or Qwen2Tokenizer)(vocab=vocab, merges=merges, model_max_length=32768, errors="replace",
+                                                  **({"extra_special_tokens": named_tokens} if named_tokens else {}),
+                                                  **tokenizer_kwargs)
     tokenizer.backend_tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens(
-        {"additional_special_tokens": [AddedToken(t, special=True) for t in QWEN2_VL_SPECIAL_TOKENS[1:]]}
+        {"additional_special_tokens": [AddedToken(t, special=True) for t in special_tokens[1:]]},
+        replace_extra_special_tokens=not named_tokens,
     )
     tokenizer.chat_template = chat_template
     _save(tokenizer, out_dir)
@@ -334,6 +341,19 @@ def build_qwen3_5(out_dir: Path) -> None:
     from transformers.models.qwen3_5.tokenization_qwen3_5 import PRETOKENIZE_REGEX, Qwen3_5Tokenizer
 
     build_qwen2_bpe(out_dir, QWEN3_VL_CHAT_TEMPLATE, tokenizer_cls=Qwen3_5Tokenizer, split_regex=PRETOKENIZE_REGEX)
+
+
+# ---------------------------------------------------------------------------------------------------- InternVL
+
+
+def build_internvl(out_dir: Path) -> None:
+    """The Qwen2 BPE (InternVL 3 / 3.5 keep their Qwen2 / Qwen3 language model's tokenizer) with InternVL's image
+    tokens, named as ``InternVLProcessor`` reads them, ``<|im_end|>`` as eos and the chat template of the
+    transformers port (``recipes.internvl.tokens``)."""
+    from recipes.internvl.tokens import IM_END_TOKEN, INTERNVL_CHAT_TEMPLATE, NAMED_TOKENS, SPECIAL_TOKENS
+
+    build_qwen2_bpe(out_dir, INTERNVL_CHAT_TEMPLATE, special_tokens=SPECIAL_TOKENS, named_tokens=NAMED_TOKENS,
+                    eos_token=IM_END_TOKEN)
 
 
 # ------------------------------------------------------------------------------------------------------- LLaVA
@@ -421,7 +441,8 @@ def _save(tokenizer, out_dir: Path) -> None:
 
 BUILDERS: dict[str, Callable[[Path], None]] = {"qwen2_vl": build_qwen2_vl, "llava": build_llava,
                                                 "qwen3_5": build_qwen3_5, "qwen3_vl": build_qwen3_vl,
-                                                "gemma3": build_gemma3, "gemma4": build_gemma4}
+                                                "gemma3": build_gemma3, "gemma4": build_gemma4,
+                                                "internvl": build_internvl}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -227,15 +227,20 @@ def cost_profile(model: torch.nn.Module, unreachable: Iterable[str] = ()) -> Cos
         profile["vision_pair"] = Rate(4 * width * len(blocks), 8 * width * len(reached) if vision_trains else 0)
         merge = int(getattr(vision, "spatial_merge_size", None) or getattr(vision, "pooling_kernel_size", None) or 1)
         profile["patches_per_media_token"] = merge * merge  # merged (Qwen) or pooled (Gemma 4) k x k patches
+        shuffle = getattr(config, "downsample_ratio", None)  # InternVL's pixel shuffle: 1 / ratio^2 patches a token
+        if shuffle:
+            profile["patches_per_media_token"] = round(1 / float(shuffle) ** 2)
         strategy = getattr(config, "vision_feature_select_strategy", None)
-        has_cls = "clip" in str(getattr(vision, "model_type", ""))
+        has_cls = "clip" in str(getattr(vision, "model_type", "")) or any(
+            name.endswith(".embeddings.cls_token") for name, _ in model.named_parameters())  # InternViT's
         profile["extra_positions_per_item"] = 1 if has_cls and strategy == "default" else 0
-        if getattr(vision, "image_size", None) and merge == 1:
-            side = int(vision.image_size) // int(vision.patch_size)
-            profile["item_patches"] = side * side
+        if getattr(vision, "image_size", None) and (merge == 1 or shuffle):
+            sizes = [vision.image_size, vision.patch_size]  # ints, or (height, width) pairs
+            sizes = [size if isinstance(size, (list, tuple)) else (size, size) for size in sizes]
+            profile["item_patches"] = (int(sizes[0][0]) // int(sizes[1][0])) * (int(sizes[0][1]) // int(sizes[1][1]))
             pooled = getattr(config, "mm_tokens_per_image", None)  # Gemma 3: patches average-pooled to n tokens
             if pooled:
-                profile["patches_per_media_token"] = side * side // int(pooled)
+                profile["patches_per_media_token"] = profile["item_patches"] // int(pooled)
     return CostProfile(**profile)
 
 

@@ -13,8 +13,9 @@ from .sample import MLLMSample
 @dataclass(frozen=True)
 class MediaKind:
     """One kind of media item in ``MLLMSample.media``: the field holding its pixels, its per-item grid field (when
-    the layout has one), the batch fields naming each item's segment and row, and ``item_keys``: fields with one
-    row per item beside stacked pixels (Gemma 4's ``image_position_ids``, each patch's (x, y), -1 for padding)."""
+    the layout has one), the batch fields naming each item's segment and row, ``item_keys``: fields with one
+    row per item beside stacked pixels (Gemma 4's ``image_position_ids``, each patch's (x, y), -1 for padding), and
+    ``count_key``: the stacked rows of each item where an item is several of them (InternVL's tiles per image)."""
 
     name: str
     patch_key: str
@@ -22,14 +23,15 @@ class MediaKind:
     segment_key: str
     row_key: str
     item_keys: tuple[str, ...] = ()
+    count_key: str | None = None
 
     @property
     def keys(self) -> tuple[str, ...]:
-        return self.patch_key, self.grid_key, *self.item_keys
+        return self.patch_key, self.grid_key, *self.item_keys, *((self.count_key,) if self.count_key else ())
 
 
 IMAGES = MediaKind("image", "pixel_values", "image_grid_thw", "media_segment_ids", "media_batch_index",
-                   item_keys=("image_position_ids",))
+                   item_keys=("image_position_ids",), count_key="image_num_patches")
 VIDEOS = MediaKind("video", "pixel_values_videos", "video_grid_thw", "video_segment_ids", "video_batch_index")
 MEDIA_KINDS = (IMAGES, VIDEOS)
 OWNER_KEYS = frozenset(key for kind in MEDIA_KINDS for key in (kind.segment_key, kind.row_key))
@@ -41,9 +43,11 @@ class MLLMMediaHandler:
     Two layouts are seen in practice and both merge by concatenation: flattened patches plus a grid per item
     (Qwen2-VL: ``pixel_values`` ``[patches, D]`` with ``image_grid_thw`` ``[items, 3]``; its videos likewise in
     ``pixel_values_videos`` / ``video_grid_thw``) and stacked images (LLaVA: ``pixel_values`` ``[items, C, H, W]``;
-    Gemma 4: pre-patchified ``[items, max_patches, D]`` with ``image_position_ids`` ``[items, max_patches, 2]``).
-    With a grid, the patch rows must equal the sum of the grids' products and the items are the grid's rows;
-    without, the items are the patch field's rows. A sample's items of all kinds add up to its ``num_media``.
+    Gemma 4: pre-patchified ``[items, max_patches, D]`` with ``image_position_ids`` ``[items, max_patches, 2]``;
+    InternVL: ``[tiles, C, H, W]`` with ``image_num_patches`` ``[items]``, the tiles of each image).
+    With a grid, the patch rows must equal the sum of the grids' products and the items are the grid's rows; with
+    counts, the rows must equal their sum and the items are the counts' rows; else the items are the patch rows.
+    A sample's items of all kinds add up to its ``num_media``.
     Samples may carry different kinds (an image sample next to a video sample); those carrying the same kind carry
     the same fields for it. Recipes need the segment of each item for per-segment positions: ``media_segment_ids``
     for images, ``video_segment_ids`` for videos, each in its kind's item order.
@@ -64,6 +68,12 @@ class MLLMMediaHandler:
             if key in media and media[key].shape[0] != rows:
                 raise ValueError(f"sample {sample.sample_id!r}: media field {key!r} has {media[key].shape[0]} rows, "
                                  f"expected one per item of {kind.patch_key!r} ({rows})")
+        counts = media.get(kind.count_key) if kind.count_key else None
+        if counts is not None:
+            if rows != int(counts.sum()):
+                raise ValueError(f"sample {sample.sample_id!r}: media field {kind.patch_key!r} has {rows} rows, "
+                                 f"expected {int(counts.sum())} (the sum of {kind.count_key!r})")
+            return counts.shape[0]
         grid = media.get(kind.grid_key)
         if grid is None:
             return rows
