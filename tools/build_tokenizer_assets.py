@@ -326,6 +326,11 @@ def build_qwen2_vl(out_dir: Path) -> None:
     build_qwen2_bpe(out_dir, QWEN2_VL_CHAT_TEMPLATE)
 
 
+def build_qwen2_5_vl(out_dir: Path) -> None:
+    """The Qwen2 BPE with Qwen2.5-VL-Instruct's chat template (Qwen2-VL-Instruct's, unchanged)."""
+    build_qwen2_bpe(out_dir, QWEN2_VL_CHAT_TEMPLATE)
+
+
 def build_qwen3_vl(out_dir: Path) -> None:
     """The Qwen2 BPE (Qwen3-VL keeps Qwen2's tokenizer) with Qwen3-VL-Instruct's chat template."""
     build_qwen2_bpe(out_dir, QWEN3_VL_CHAT_TEMPLATE)
@@ -439,7 +444,8 @@ def _save(tokenizer, out_dir: Path) -> None:
             (out_dir / path.name).write_bytes(path.read_bytes())
 
 
-BUILDERS: dict[str, Callable[[Path], None]] = {"qwen2_vl": build_qwen2_vl, "llava": build_llava,
+BUILDERS: dict[str, Callable[[Path], None]] = {"qwen2_vl": build_qwen2_vl, "qwen2_5_vl": build_qwen2_5_vl,
+                                                "llava": build_llava,
                                                 "qwen3_5": build_qwen3_5, "qwen3_vl": build_qwen3_vl,
                                                 "gemma3": build_gemma3, "gemma4": build_gemma4,
                                                 "internvl": build_internvl}

@@ -43,30 +43,35 @@ def _base_model(model):
 
 
 def _segment_grids(batch: dict[str, Any], types: torch.Tensor, kind: MediaKind, code: int,
-                   merge_size: int) -> dict[tuple[int, int], torch.Tensor]:
-    """``(row, segment)`` -> that segment's grids of ``kind``, each segment's placeholders checked against them."""
+                   merge_size: int) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
+    """``(row, segment)`` -> that segment's grids of ``kind`` and its rows of the kind's per-item fields the batch
+    carries (``second_per_grid_ts``: how far a clip's temporal positions step), each segment's placeholders
+    checked against its grids."""
     grids = batch.get(kind.grid_key)
     tokens = [] if grids is None else (grids.prod(-1) // merge_size**2).tolist()
     owners = check_media_placement(batch, types == code, tokens, kind)
     items: dict[tuple[int, int], list[int]] = {}
     for index, owner in enumerate(owners):
         items.setdefault(owner, []).append(index)
-    return {owner: grids[indices] for owner, indices in items.items()}
+    keys = [kind.grid_key, *(key for key in kind.item_keys if batch.get(key) is not None)]
+    return {owner: {key: batch[key][indices] for key in keys} for owner, indices in items.items()}
 
 
 def segment_rope_positions(batch: dict[str, Any], model, types: torch.Tensor,
                            media: Sequence[tuple[MediaKind, int]], merge_size: int) -> torch.Tensor:
     """(4, B, L) positions: row 0 the per-segment text positions, rows 1..3 the model's own ``get_rope_index`` run
-    on each segment's slice with only that segment's grids of every ``(kind, code)`` in ``media`` (``types``: the
-    batch's modality map, ``code`` marking ``kind``'s placeholders; one placeholder per ``merge_size**2`` grid
-    cells). Padding and text-only segments keep the text positions in all 4 rows."""
+    on each segment's slice with only that segment's grids (and per-item fields) of every ``(kind, code)`` in
+    ``media`` (``types``: the batch's modality map, ``code`` marking ``kind``'s placeholders; one placeholder per
+    ``merge_size**2`` grid cells). Padding and text-only segments keep the text positions in all 4 rows."""
     input_ids, segment_ids = batch["input_ids"], batch["pack_segment_ids"]
     positions = text_positions(batch).unsqueeze(0).repeat(POSITION_ROWS, 1, 1)
     grids = {kind: _segment_grids(batch, types, kind, code, merge_size) for kind, code in media}
     get_rope_index = _base_model(unwrap_model(model)).get_rope_index
     for row, runs in enumerate(row_segments(segment_ids)):
         for seg, start, end in runs:
-            owned = {kind.grid_key: grids[kind].get((row, seg)) for kind, _ in media}
+            owned = {kind.grid_key: None for kind, _ in media}
+            for kind, _ in media:
+                owned.update(grids[kind].get((row, seg), {}))
             if all(value is None for value in owned.values()):
                 continue  # padding, or text-only: get_rope_index gives the same arange as row 0
             rope, _ = get_rope_index(

@@ -35,7 +35,8 @@ def packed_position_ids(batch: dict[str, Any], model) -> torch.Tensor:
 
 
 def media_kwargs(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Pixels and grids of the batch's images and videos, each checked to hold the patches its grids need."""
+    """Pixels and grids of the batch's images and videos, each checked to hold the patches its grids need, and
+    the per-item fields the batch carries (Qwen2.5-VL's ``second_per_grid_ts``, which its own M-RoPE reads)."""
     kwargs = {}
     for kind, _ in MEDIA:
         grids = batch.get(kind.grid_key)
@@ -45,6 +46,7 @@ def media_kwargs(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         if pixels.shape[0] != needed:
             raise ValueError(f"{kind.patch_key} has {pixels.shape[0]} patches, {kind.grid_key} needs {needed}")
         kwargs.update({kind.patch_key: pixels, kind.grid_key: grids})
+        kwargs.update({key: batch[key] for key in kind.item_keys if batch.get(key) is not None})
     return kwargs
 
 

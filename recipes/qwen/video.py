@@ -122,6 +122,13 @@ class QwenVideoProcessor:
         """Placeholder tokens of the video, from metadata alone."""
         return math.prod(self.grid_thw(info)) // self.merge_size**2
 
+    def seconds_per_grid(self, info: VideoInfo) -> float:
+        """Seconds one temporal patch spans, from metadata alone: ``Qwen2_5_VLProcessor``'s ``second_per_grid_ts``
+        (``temporal_patch_size`` over the sampled rate, ``VideoMetadata.sampled_fps``), which Qwen2.5-VL's M-RoPE
+        multiplies into the clip's temporal positions."""
+        sampled_fps = len(self.frame_indices(info)) / info.num_frames * info.fps
+        return self.temporal_patch_size / sampled_fps
+
     def __call__(self, videos: list[VideoInfo]) -> tuple[dict[str, torch.Tensor], list[int]]:
         """``pixel_values_videos`` (patches of every video, in order), ``video_grid_thw`` and each video's token
         count; the frames are decoded here."""

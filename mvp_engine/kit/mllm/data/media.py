@@ -32,7 +32,8 @@ class MediaKind:
 
 IMAGES = MediaKind("image", "pixel_values", "image_grid_thw", "media_segment_ids", "media_batch_index",
                    item_keys=("image_position_ids",), count_key="image_num_patches")
-VIDEOS = MediaKind("video", "pixel_values_videos", "video_grid_thw", "video_segment_ids", "video_batch_index")
+VIDEOS = MediaKind("video", "pixel_values_videos", "video_grid_thw", "video_segment_ids", "video_batch_index",
+                   item_keys=("second_per_grid_ts",))  # Qwen2.5-VL: seconds per temporal patch of each clip
 MEDIA_KINDS = (IMAGES, VIDEOS)
 OWNER_KEYS = frozenset(key for kind in MEDIA_KINDS for key in (kind.segment_key, kind.row_key))
 
@@ -64,10 +65,11 @@ class MLLMMediaHandler:
                                  f"{kind.patch_key!r}")
             return 0
         rows = media[kind.patch_key].shape[0]
+        items = rows if kind.grid_key not in media else media[kind.grid_key].shape[0]  # a grid row per item
         for key in kind.item_keys:
-            if key in media and media[key].shape[0] != rows:
+            if key in media and media[key].shape[0] != items:
                 raise ValueError(f"sample {sample.sample_id!r}: media field {key!r} has {media[key].shape[0]} rows, "
-                                 f"expected one per item of {kind.patch_key!r} ({rows})")
+                                 f"expected one per item ({items})")
         counts = media.get(kind.count_key) if kind.count_key else None
         if counts is not None:
             if rows != int(counts.sum()):
