@@ -1,0 +1,31 @@
+"""Packed InternVL forwards/backwards equal one-by-one ones (the kit's ``EquivalenceSuite``: logits, loss and
+gradients on eager, sdpa and sdpa_varlen, flex_attention forward-only on CPU, flash's kwargs through a CPU varlen
+reference), on packs holding a three-image sample of 1 + 3 + 1 tiles, single-image samples and text-only samples;
+plus the checks that the tiles of a pack are the images' in segment order."""
+
+import pytest
+
+from mvp_engine.engine.testkit.suites import EquivalenceSuite
+from recipes.internvl.packed import prepare_packed
+
+
+class TestPackedEquivalence(EquivalenceSuite):
+    recipe = "internvl"
+
+    def test_the_packs_hold_multi_tile_images_in_segment_order(self, case):
+        """What the checks above run on: tiles of every image of every sample stacked in segment order, one owner
+        per image (not per tile)."""
+        assert [s.num_media for s in case.samples] == [1, 0, 3, 0, 1]
+        tiles = case.batch["image_num_patches"].tolist()
+        assert tiles == [3, 1, 3, 1, 1] and case.batch["pixel_values"].shape[0] == sum(tiles)
+        owners = list(zip(case.batch["media_batch_index"].tolist(), case.batch["media_segment_ids"].tolist()))
+        assert len(owners) == len(tiles) and owners == sorted(owners)
+
+    def test_tiles_not_matching_their_counts_are_refused(self, case):
+        model = case.recipe.build_model(case.model_cfg, "sdpa")
+        batch = dict(case.batch, pixel_values=case.batch["pixel_values"][1:])
+        with pytest.raises(ValueError, match="image_num_patches"):
+            prepare_packed(batch, model, "sdpa")
+        batch = dict(case.batch, image_num_patches=case.batch["image_num_patches"].flip(0))
+        with pytest.raises(ValueError, match="image tokens but its"):
+            prepare_packed(batch, model, "sdpa")
