@@ -431,6 +431,36 @@ def build_gemma4(out_dir: Path, vocab_size: int = 3000) -> None:
     _save(tokenizer, out_dir)
 
 
+# ----------------------------------------------------------------------------------------------------- GLM-4.1V
+
+# GLM-4's pre-tokenizer split (cl100k's, which GLM-4's tiktoken vocabulary was built with: digits in runs of 1-3)
+GLM4_SPLIT_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                    r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def build_glm4v(out_dir: Path, vocab_size: int = 3000) -> None:
+    """GLM-4's byte-level BPE (cl100k split, no normalizer) in a ``PreTrainedTokenizerFast`` as GLM-4.1V ships it,
+    with GLM-4.1V's special tokens and chat template (``recipes.glm4v.tokens``), ``<|endoftext|>`` as padding."""
+    from transformers import AddedToken, PreTrainedTokenizerFast
+
+    from recipes.glm4v.tokens import GLM4V_CHAT_TEMPLATE, PAD_TOKEN, SPECIAL_TOKENS
+
+    pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(GLM4_SPLIT_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    vocab, merges = train_byte_level_bpe(SPECIAL_TOKENS, vocab_size, pre_tokenizer)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    backend.pre_tokenizer = pre_tokenizer
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=PAD_TOKEN, eos_token=PAD_TOKEN,
+                                        model_max_length=32768, padding_side="left")
+    tokenizer.add_special_tokens({"additional_special_tokens": [AddedToken(t, special=True, normalized=False)
+                                                                for t in SPECIAL_TOKENS[1:]]})
+    tokenizer.chat_template = GLM4V_CHAT_TEMPLATE
+    _save(tokenizer, out_dir)
+
+
 def _save(tokenizer, out_dir: Path) -> None:
     """``save_pretrained`` into a scratch folder, canonicalise, then replace ``out_dir`` file by file."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -447,7 +477,7 @@ def _save(tokenizer, out_dir: Path) -> None:
 BUILDERS: dict[str, Callable[[Path], None]] = {"qwen2_vl": build_qwen2_vl, "qwen2_5_vl": build_qwen2_5_vl,
                                                 "llava": build_llava,
                                                 "qwen3_5": build_qwen3_5, "qwen3_vl": build_qwen3_vl,
-                                                "gemma3": build_gemma3, "gemma4": build_gemma4,
+                                                "gemma3": build_gemma3, "gemma4": build_gemma4, "glm4v": build_glm4v,
                                                 "internvl": build_internvl}
 
 

@@ -296,8 +296,9 @@ class ChatTemplateEncoder:
             supervised |= (offsets[:, 0] >= start) & (offsets[:, 1] <= end) & (offsets[:, 1] > offsets[:, 0])
         supervised &= ~torch.isin(input_ids, self._unsupervised_ids)
         labels = torch.where(supervised, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
-        for kind, token, token_id in self._placeholders:
-            found, needed = int((input_ids == token_id).sum()), sum(counts[kind])
+        types = self.placeholder_types(input_ids)
+        for code, (kind, token, _) in enumerate(self._placeholders, start=1):
+            found, needed = int((types == code).sum()), sum(counts[kind])
             if found != needed:
                 raise self._bad(record, f"{found} {kind} tokens in the text but the {kind}s need {needed} "
                                 f"(a literal {token} in a text part?)", TOKEN_MISMATCH[kind])
@@ -325,10 +326,16 @@ class ChatTemplateEncoder:
         """``{token_type_field: 0 text / 1 image / 2 video}`` per token, or nothing without a ``token_type_field``."""
         if not self.token_type_field:
             return {}
+        return {self.token_type_field: self.placeholder_types(input_ids)}
+
+    def placeholder_types(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """0 text, 1 image placeholder, 2 video placeholder per token, by placeholder id. A model whose videos reuse
+        the image placeholder (frames of image tokens between video markers) overrides it: the kind of a token then
+        depends on where it sits, and the token counts are checked by kind."""
         types = torch.zeros_like(input_ids)
-        for kind, _, token_id in self._placeholders:
-            types[input_ids == token_id] = 1 if kind == "image" else 2
-        return {self.token_type_field: types}
+        for code, (_, _, token_id) in enumerate(self._placeholders, start=1):
+            types[input_ids == token_id] = code
+        return types
 
     def _media_end(self, input_ids: torch.Tensor) -> int:
         positions = torch.isin(input_ids, self._placeholder_ids).nonzero()
