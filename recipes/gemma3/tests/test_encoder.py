@@ -4,11 +4,13 @@ transformers' own ``Gemma3Processor`` on the same conversations: the same ids, `
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import Gemma3Processor
 
-from mvp_engine.engine.testing import demo_like_records
+from mvp_engine.engine.testing import assistant, demo_like_records, text, user
 from mvp_engine.engine.testkit.suites import EncoderSuite
+from mvp_engine.kit.mllm.data import MLLMRecord, MLLMRecordError
 from mvp_engine.kit.mllm.data.images import load_image
 
 
@@ -43,3 +45,11 @@ class TestEncoder(EncoderSuite):
             assert torch.equal(theirs["token_type_ids"][0], ours.token_fields["token_type_ids"]), record.origin
             if images:
                 assert torch.equal(theirs["pixel_values"], ours.media["pixel_values"]), record.origin
+
+    def test_roles_that_do_not_alternate_are_a_bad_record_naming_it(self, encoder):
+        """Gemma 3's template raises (jinja's TemplateError) on two user turns in a row: a bad record, not a crash."""
+        record = MLLMRecord("r7", "chat.jsonl:7", [user(text("a")), user(text("b")), assistant("c")])
+        for call in (encoder.measure, encoder.encode):
+            with pytest.raises(MLLMRecordError, match="chat.jsonl:7.*alternate") as err:
+                call(record)
+            assert err.value.reason == "template_error"

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from jinja2 import TemplateError
 from PIL import Image
 
 from .images import load_image, read_image_size
@@ -286,7 +287,8 @@ class ChatTemplateEncoder:
         """Token ids and labels: a token is supervised when its characters lie inside an assistant span."""
         try:
             full, spans = self._assistant_spans(record.messages, counts, videos)
-        except ValueError as err:
+        except (ValueError, TemplateError) as err:  # TemplateError: the template's own raise_exception (Gemma 3:
+            # roles must alternate)
             raise self._bad(record, str(err), "template_error") from err
         encoded = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
         input_ids = torch.tensor(encoded["input_ids"], dtype=torch.long)
