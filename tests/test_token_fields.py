@@ -71,6 +71,13 @@ def test_a_batch_without_the_type_field_is_refused():
         batch_type_blocks(batch, "token_type_ids")
 
 
+def test_an_all_padding_batch_has_no_blocks_and_needs_no_type_field():
+    """A short rank's step is one empty pack (no samples, so no token fields): nothing to refuse, no block."""
+    batch = collate([[]], width=4)
+    assert "token_type_ids" not in batch
+    assert batch_type_blocks(batch, "token_type_ids").tolist() == [[-1, -1, -1, -1]]
+
+
 @pytest.fixture(scope="module")
 def hybrid():
     """A tiny random Gemma 3 text model: one sliding and one full layer."""

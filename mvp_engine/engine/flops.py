@@ -43,6 +43,7 @@ from mvp_engine.kit.mllm.data.cost import BLOCK_MASK, FLEX_BLOCK, VARLEN, attent
 from mvp_engine.kit.mllm.data.media import IMAGES, VIDEOS
 from mvp_engine.packing import (
     Predicate,
+    batch_type_blocks,
     causal,
     packed_inputs,
     packed_predicate,
@@ -241,6 +242,8 @@ def cost_profile(model: torch.nn.Module, unreachable: Iterable[str] = ()) -> Cos
             pooled = getattr(config, "mm_tokens_per_image", None)  # Gemma 3: patches average-pooled to n tokens
             if pooled:
                 profile["patches_per_media_token"] = profile["item_patches"] // int(pooled)
+            if shuffle:  # InternVL: the stacked items are an image's tiles
+                profile["tile_tokens"] = profile["item_patches"] // profile["patches_per_media_token"]
     return CostProfile(**profile)
 
 
@@ -313,28 +316,21 @@ def _row_spans(segment_ids: torch.Tensor) -> list[list[tuple[int, bool]]]:
     return out
 
 
-def _block_ids(profile: CostProfile, batch: Mapping) -> torch.Tensor:
-    """(B, L) the run index of the segment a bidirectional-block token is in, -1 elsewhere (a block never crosses
-    a sample)."""
-    values = batch.get(profile.block_field)
-    if values is None:
-        raise ValueError(f"the cost profile counts bidirectional blocks from the batch field {profile.block_field!r}, "
-                         "which this batch lacks")
-    inside = torch.isin(values, torch.tensor(profile.block_values, dtype=values.dtype, device=values.device))
-    return torch.where(inside, segment_run_ids(batch["pack_segment_ids"]), -1)
-
-
-def _span_blocks(block_ids: torch.Tensor, spans: list[list[tuple[int, bool]]]) -> list[list[tuple[int, bool]]]:
-    """Per row and span: the pairs above the diagonal inside its blocks (Σ n(n - 1)/2) and whether it has a block
-    of two tokens or more (its mask is then more than causal)."""
+def _span_blocks(block_ids: torch.Tensor, segment_ids: torch.Tensor,
+                 spans: list[list[tuple[int, bool]]]) -> list[list[tuple[int, bool]]]:
+    """Per row and span: the pairs above the diagonal inside its blocks (``block_ids`` as ``same_block`` reads
+    them; Σ n(n - 1)/2) and whether it has a block of two tokens or more (its mask is then more than causal)."""
+    span_of = segment_run_ids(segment_ids)
     out = []
     for row, row_spans in enumerate(spans):
         extra, wide = [0] * len(row_spans), [False] * len(row_spans)
-        runs, counts = torch.unique_consecutive(block_ids[row], return_counts=True)
-        for run, n in zip(runs.tolist(), counts.tolist()):
-            if run >= 0:
-                extra[run] += n * (n - 1) // 2
-                wide[run] = wide[run] or n > 1
+        ids, counts = torch.unique_consecutive(block_ids[row], return_counts=True)
+        starts = torch.cumsum(counts, 0) - counts
+        for block, n, start in zip(ids.tolist(), counts.tolist(), starts.tolist()):
+            if block >= 0:
+                span = int(span_of[row, start])
+                extra[span] += n * (n - 1) // 2
+                wide[span] = wide[span] or n > 1
         out.append(list(zip(extra, wide)))
     return out
 
@@ -396,8 +392,8 @@ def batch_flops(profile: CostProfile, batch: Mapping, attention: str, dummy_medi
     spans = _row_spans(segment_ids)
     media, useful_media = _media_units(profile, batch), _media_units(profile, batch, padded=False)
     effective = int((segment_ids >= 0).sum())
-    block_ids = _block_ids(profile, batch) if profile.has_blocks else None
-    blocks = (_span_blocks(block_ids, spans) if block_ids is not None
+    block_ids = batch_type_blocks(batch, profile.block_field, profile.block_values) if profile.has_blocks else None
+    blocks = (_span_blocks(block_ids, segment_ids, spans) if block_ids is not None
               else [[(0, False)] * len(row) for row in spans])
     real = [(n, extra) for row, row_blocks in zip(spans, blocks) for (n, is_real), (extra, _) in zip(row, row_blocks)
             if is_real]

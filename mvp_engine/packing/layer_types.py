@@ -40,7 +40,10 @@ def type_blocks(type_ids: torch.Tensor, segment_ids: torch.Tensor,
 
 def batch_type_blocks(batch: Mapping[str, Any], field: str, kinds: Collection[int] | None = None) -> torch.Tensor:
     """:func:`type_blocks` of ``batch[field]``; a batch without the field is refused (the model would silently
-    attend causally inside every image)."""
+    attend causally inside every image), unless it is all padding: the all-padding row that keeps a short rank in
+    step is an empty pack, which has no token fields, and no block to lose."""
+    if batch.get(field) is None and not bool((batch["pack_segment_ids"] >= 0).any()):
+        return torch.full_like(batch["pack_segment_ids"], -1)
     if batch.get(field) is None:
         raise ValueError(f"batch has no {field!r}: this model attends bidirectionally inside each image only when "
                          f"told which tokens are image tokens, and silently drops that without it (encode with an "

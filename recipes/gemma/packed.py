@@ -46,7 +46,8 @@ def prepare_padded(batch: dict[str, Any], model, attn_implementation: str, *, me
     sdpa_varlen, for which transformers builds none: there each row gets the same predicates' per-span masks
     (equal to Gemma's own for one sequence: ``tests/test_masks.py``)."""
     blocks = batch_type_blocks(batch, type_field, kinds=(IMAGE_TYPE,))  # refuses a batch without them
-    kwargs = prepare_padded_inputs(batch, model, attn_implementation, media=media, **{type_field: batch[type_field]})
+    types = {type_field: batch[type_field]} if type_field in batch else {}  # absent only from all-padding rows
+    kwargs = prepare_padded_inputs(batch, model, attn_implementation, media=media, **types)
     if attn_implementation == SDPA_VARLEN:
         model = unwrap_model(model)
         predicates = layer_predicates(model.config.get_text_config(), blocks, block_layer_types)
