@@ -242,6 +242,8 @@ def cost_profile(model: torch.nn.Module, unreachable: Iterable[str] = ()) -> Cos
             pooled = getattr(config, "mm_tokens_per_image", None)  # Gemma 3: patches average-pooled to n tokens
             if pooled:
                 profile["patches_per_media_token"] = profile["item_patches"] // int(pooled)
+            if shuffle:  # InternVL: the stacked items are an image's tiles
+                profile["tile_tokens"] = profile["item_patches"] // profile["patches_per_media_token"]
     return CostProfile(**profile)
 
 

@@ -95,8 +95,10 @@ class CostProfile:
     """What each unit of work costs one model (see the module docstring), plus the vision geometry that turns
     language-model media tokens into vision positions: ``patches_per_media_token`` (Qwen-VL: ``spatial_merge_size``
     squared; LLaVA: 1), ``extra_positions_per_item`` (CLIP's CLS position under LLaVA's ``default`` feature
-    strategy) and ``item_patches`` (patches of one image where images are stacked at a fixed size, no grid); the
-    attention pattern: ``sliding_window`` (0: no sliding layers) and the bidirectional blocks (module docstring)."""
+    strategy), ``item_patches`` (patches of one image where images are stacked at a fixed size, no grid) and
+    ``tile_tokens`` (InternVL: an image is tiles of this many tokens, each tile its own tower input with its own
+    extra positions; 0: an image is one input); the attention pattern: ``sliding_window`` (0: no sliding layers)
+    and the bidirectional blocks (module docstring)."""
 
     lm_token: Rate = field(default_factory=Rate)
     lm_head_token: Rate = field(default_factory=Rate)
@@ -110,6 +112,7 @@ class CostProfile:
     patches_per_media_token: int = 1
     extra_positions_per_item: int = 0
     item_patches: int = 0
+    tile_tokens: int = 0
     linear_chunk: int = 64
     sliding_window: int = 0
     block_field: str = ""
@@ -126,8 +129,11 @@ class CostProfile:
     def media_units(self, media_tokens, media_sq, num_media) -> WorkUnits:
         """Vision work of media given as language-model tokens: their sum, the sum over attention groups of the
         group's tokens squared (``SampleMeta.media_sq``) and the item count. Exact when extra positions (CLS) only
-        come with single-group items (images), as in every supported model."""
+        come with single-group items (images), as in every supported model; with ``tile_tokens`` the tower's inputs
+        are the tiles, whatever the image they came from: ``media_tokens / tile_tokens`` of them."""
         ppt, extra = self.patches_per_media_token, self.extra_positions_per_item
+        if self.tile_tokens:
+            num_media, media_sq = media_tokens // self.tile_tokens, media_tokens * self.tile_tokens
         patches = ppt * media_tokens
         return WorkUnits(vision_patches=patches, vision_positions=patches + extra * num_media,
                          vision_pairs=ppt * ppt * media_sq + 2 * extra * ppt * media_tokens + extra * extra * num_media,
