@@ -22,6 +22,22 @@ def test_stacked_images_llava_layout():
     assert merged["pixel_values"][2].eq(1).all()
 
 
+def test_stacked_tiles_internvl_layout_count_images_not_tiles_across_a_batch():
+    """Tiles of each image stacked, ``image_num_patches`` per image: the items are the images (one owner each), the
+    tiles concatenate in segment order and rows must add up to the counts."""
+    a = sample("a", 6, {"pixel_values": torch.zeros(4, 3, 4, 4), "image_num_patches": torch.tensor([1, 3])}, 2)
+    b = sample("b", 4, {"pixel_values": torch.ones(3, 3, 4, 4), "image_num_patches": torch.tensor([3])}, 1)
+    rows = [MLLMPack([a]).to_model_inputs(), MLLMPack([sample("t", 2), b]).to_model_inputs()]
+    batch = MLLMCollator(pad_token_id=0)(rows)
+    assert batch["pixel_values"].shape == (7, 3, 4, 4) and batch["pixel_values"][4:].eq(1).all()
+    assert batch["image_num_patches"].tolist() == [1, 3, 3]
+    assert batch["media_segment_ids"].tolist() == [0, 0, 1]
+    assert batch["media_batch_index"].tolist() == [0, 0, 1]
+    bad = sample("bad", 5, {"pixel_values": torch.zeros(3, 3, 4, 4), "image_num_patches": torch.tensor([1, 3])}, 2)
+    with pytest.raises(ValueError, match=r"sample 'bad': .* 3 rows, expected 4 \(the sum of 'image_num_patches'\)"):
+        MLLMMediaHandler().merge_pack([bad])
+
+
 def test_patches_and_grids_qwen_layout_across_a_batch():
     grid = torch.tensor([[1, 2, 2], [1, 2, 4]])
     a = sample("a", 6, {"pixel_values": torch.randn(12, 8), "image_grid_thw": grid}, 2)
