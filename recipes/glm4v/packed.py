@@ -41,8 +41,11 @@ ATTENTION_BACKENDS = ("eager", "sdpa", "sdpa_varlen", "flash_attention_2")
 
 
 def token_types(batch: dict[str, Any]) -> torch.Tensor:
-    """The batch's ``mm_token_type_ids``; without them a video's frames would pass for images."""
+    """The batch's ``mm_token_type_ids``; without them a video's frames would pass for images. An all-padding batch
+    (the empty pack that keeps a short rank in step has no token fields) is all text."""
     types = batch.get(TYPE_FIELD)
+    if types is None and not bool((batch["pack_segment_ids"] >= 0).any()):
+        return torch.zeros_like(batch["input_ids"])
     if types is None:
         raise ValueError(f"GLM-4.1V batch has no {TYPE_FIELD!r}: its video frames reuse the image placeholder, so "
                          "only the encoder's token types tell them apart (encode with Glm4vSampleEncoder)")
