@@ -96,3 +96,22 @@ def test_images_and_videos_merge_kind_by_kind_in_segment_order():
     assert batch["pixel_values"].shape == (12, 1) and batch["pixel_values_videos"].shape == (36, 1)
     assert batch["video_segment_ids"].tolist() == [0, 1, 1, 0] and batch["video_batch_index"].tolist() == [0, 0, 0, 1]
     assert batch["media_segment_ids"].tolist() == [1, 3] and batch["media_batch_index"].tolist() == [0, 0]
+
+
+def test_per_clip_fields_beside_grids_merge_in_clip_order_and_count_grid_rows():
+    """A per-item field of a grid layout (``second_per_grid_ts``: one entry per clip) has one row per grid row, not
+    per patch; it concatenates in clip order across packs and rows, and a wrong count is named."""
+    def clip(name, grids, seconds):
+        grid = torch.tensor(grids)
+        media = {"pixel_values_videos": torch.zeros(int(grid.prod(-1).sum()), 1), "video_grid_thw": grid,
+                 "second_per_grid_ts": torch.tensor(seconds)}
+        return sample(name, 4, media, len(grids))
+
+    rows = [MLLMPack([clip("a", [[2, 2, 2], [1, 2, 2]], [0.5, 1.0]), sample("t", 2)]).to_model_inputs(),
+            MLLMPack([sample("u", 3), clip("b", [[3, 2, 2]], [0.6])]).to_model_inputs()]
+    batch = MLLMCollator(pad_token_id=0)(rows)
+    assert batch["second_per_grid_ts"].tolist() == pytest.approx([0.5, 1.0, 0.6])
+    assert batch["video_segment_ids"].tolist() == [0, 0, 1] and batch["video_batch_index"].tolist() == [0, 0, 1]
+    with pytest.raises(ValueError, match=r"sample 'bad': media field 'second_per_grid_ts' has 1 rows, expected one "
+                                         r"per item \(2\)"):
+        MLLMMediaHandler().merge_pack([clip("bad", [[2, 2, 2], [1, 2, 2]], [0.5])])
