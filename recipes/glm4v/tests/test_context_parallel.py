@@ -1,0 +1,8 @@
+"""Context parallelism on glm4v (the kit's ``ContextParallelSuite``): a packed row split over 2 gloo ranks equals the
+unsplit row on every CPU backend, and CP = 2 on 2 processes trains what 1 process trains."""
+
+from mvp_engine.engine.testkit.suites import ContextParallelSuite
+
+
+class TestContextParallel(ContextParallelSuite):
+    recipe = "glm4v"
