@@ -73,7 +73,8 @@ def _geometry_config(cfg: Mapping) -> InternVLConfig:
 def build_processor(model_cfg: Mapping | None = None) -> InternVLProcessorBundle:
     """Tokenizer and image processor: from ``model_cfg.pretrained`` if set, else the asset tokenizer and a tiling
     GotOcr2 PIL processor whose tile is ``config.vision_config.image_size``. Keys read: ``pretrained``,
-    ``tokenizer_dir``, ``config``, ``min_patches`` / ``max_patches`` (tiles per image, thumbnail not counted)."""
+    ``tokenizer_dir``, ``config``, ``min_patches`` / ``max_patches`` (tiles per image, thumbnail not counted;
+    a pretrained folder's own are kept). Tiling is always on, as ``InternVLProcessor`` has it."""
     cfg = to_plain(model_cfg) or {}
     geometry = _geometry_config(cfg)
     height, width = geometry.vision_config.image_size
@@ -81,10 +82,14 @@ def build_processor(model_cfg: Mapping | None = None) -> InternVLProcessorBundle
     def bundle(tokenizer, image_processor) -> InternVLProcessorBundle:
         return InternVLProcessorBundle(tokenizer, image_processor, image_seq_length=tokens_per_tile(geometry))
 
-    return build_processor_bundle(bundle, cfg, GotOcr2ImageProcessorPil, DEFAULT_TOKENIZER_DIR,
-                                  size={"height": height, "width": width}, crop_to_patches=True,
-                                  min_patches=int(cfg.get("min_patches") or 1),
-                                  max_patches=int(cfg.get("max_patches") or 12))
+    processor = build_processor_bundle(bundle, cfg, GotOcr2ImageProcessorPil, DEFAULT_TOKENIZER_DIR,
+                                       size={"height": height, "width": width}, crop_to_patches=True,
+                                       min_patches=int(cfg.get("min_patches") or 1),
+                                       max_patches=int(cfg.get("max_patches") or 12))
+    # InternVLProcessor tiles whatever the saved image-processor config says (its default images_kwargs), and
+    # get_number_of_image_patches reads the instance's setting: tiling on here keeps measure == encode == InternVL
+    processor.image_processor.crop_to_patches = True
+    return processor
 
 
 def tiny_config(model_cfg: Mapping, tokenizer: PreTrainedTokenizerBase) -> InternVLConfig:

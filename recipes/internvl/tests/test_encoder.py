@@ -5,12 +5,14 @@ tile and token counts from the image sizes alone."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from transformers import InternVLProcessor
 from transformers.processing_utils import ProcessorMixin
 
-from mvp_engine.engine.testing import demo_like_records
+from mvp_engine.engine.testing import compose_config, demo_like_records, load_recipe
 from mvp_engine.engine.testkit.suites import EncoderSuite
 from mvp_engine.kit.mllm.data.images import load_image
 
@@ -66,3 +68,17 @@ class TestEncoder(EncoderSuite):
             counted = transformers_processor._get_num_multimodal_tokens(image_sizes=sizes)
             assert counted["num_image_patches"] == ours.media["image_num_patches"].tolist()
             assert sum(counted["num_image_tokens"]) == encoder.measure(record).media_tokens + 2 * len(images)
+
+    def test_a_pretrained_folder_saved_without_tiling_still_tiles_as_internvl_processor(self, tmp_path):
+        """Released ``-hf`` folders may save ``crop_to_patches: false`` (``InternVLProcessor`` turns it on per call):
+        the recipe's processor tiles anyway, so measure, encode and the model's training layout agree."""
+        recipe = load_recipe(self.recipe)
+        cfg = compose_config(self.recipe).model
+        recipe.build_model(cfg, "sdpa").save_pretrained(tmp_path / "saved")
+        recipe.build_processor(cfg).save_pretrained(tmp_path / "saved")
+        saved = tmp_path / "saved" / "preprocessor_config.json"
+        saved.write_text(json.dumps({**json.loads(saved.read_text()), "crop_to_patches": False}))
+        encoder = recipe.build_encoder(recipe.build_processor({"pretrained": str(tmp_path / "saved")}))
+        record = demo_like_records(tmp_path / "records")[0]  # the wide image: 2 x 1 tiles + the thumbnail
+        assert encoder.encode(record).media["image_num_patches"].tolist() == [3]
+        assert encoder.measure(record).media_tokens == 3 * TILE_TOKENS
