@@ -231,3 +231,27 @@ def test_context_parallel_command_splits_saved_bytes_and_vision_work(tmp_path):
     assert (one["cp"], two["cp"]) == (1, 2) and len(two["ranks"]) == 2
     assert two["vision_flops"] == one["vision_flops"] / 2
     assert [t["ok"] for t in result["targets"]] == [True, True], result["lines"]
+
+
+def test_gemma_rows_alternate_sliding_and_full_layers_and_carry_blocks():
+    """``--recipe gemma4``: the model's layers alternate sliding / full ending full, with the window asked for, and
+    every 256 tokens of a segment hold a 64-token block in its token types (the per-span masks' reason to exist)."""
+    args = bench.parse_args(["--recipe", "gemma4", "--lengths", "1024", "--hidden", "64", "--intermediate", "128",
+                             "--layers", "3", "--heads", "2", "--kv-heads", "1", "--sliding-window", "128"])
+    text = bench.model_config(args)["config"]["text_config"]
+    assert text["layer_types"] == ["full_attention", "sliding_attention", "full_attention"]
+    assert text["sliding_window"] == 128 and text["head_dim"] == 32
+    config = bench.load_recipe("gemma4").build_model(bench.model_config(args), "sdpa").config
+    sample, = bench.make_samples([600], config, 0, "mm_token_type_ids")
+    types = sample.token_fields["mm_token_type_ids"]
+    assert int(types.sum()) == 3 * 64 and types[16:80].all() and not types[80:272].any()
+    assert not torch.isin(sample.input_ids, torch.tensor([config.image_token_id, config.boi_token_id])).any()
+
+
+@pytest.mark.parametrize("peak_32k, ok", [(4.0, True), (4.6, False)])
+def test_long_growth_target_is_32k_over_8k(peak_32k, ok):
+    rows = rows_of({8192: 1.0, 32768: peak_32k}, {8192: 1.0, 32768: 1.0})
+    target = bench.target_long_growth(rows, {}, "sdpa_varlen")
+    assert target["ok"] is ok and target["line"].endswith("OK" if ok else "MISS")
+    missing = bench.target_long_growth(rows[:1], {}, "sdpa_varlen")
+    assert not missing["ok"] and "not measured" in missing["line"]

@@ -68,6 +68,15 @@ failed or missing measurement is a MISS:
         [--hidden 256 --intermediate 512 --layers 2 --heads 4 --kv-heads 2] [--repeats 2] [--threads 1]
         [--memory-limit-gib 16] [--timeout-s 600] [--default-backend sdpa_varlen] [--json PATH]
 
+``--recipe gemma3`` / ``gemma4``: the same on a Gemma language model (layers alternating sliding and full, ending
+full, window ``--sliding-window`` 512), each segment holding one 64-token bidirectional block per 256 tokens in its
+token types (as an image's soft tokens; no pixels), so ``sdpa_varlen`` trains with per-span masks (a span longer
+than the window or holding a block gets its own n x n mask) and ``flex_attention`` takes the BlockMask built from
+tiles; ``--forward-only`` runs flex forward only on CPU (compiled by transformers; no backward there). One more
+target where 8192 and 32768 both run: (4) peak(32768) <= 4.5 x peak(8192), no L x L term anywhere.
+
+    python tools/bench_long.py --recipe gemma4 --backends sdpa_varlen flex_attention --forward-only --repeats 1
+
 ``--context-parallel N`` (N > 1) measures context parallelism instead: per (backend, L), one packed row whose
 segments each open with one image per 256 tokens (16 x 16 patches, 64 placeholder tokens: pages of a document),
 trained once unsplit (CP = 1) and once split over N gloo ranks started here (``torch.multiprocessing``, a file
@@ -116,11 +125,15 @@ from mvp_engine.engine.loss import weighted_token_loss
 from mvp_engine.engine.participation import media_kinds
 from mvp_engine.engine.recipe import Recipe
 from mvp_engine.engine.recompute import SavedForBackward
-from mvp_engine.engine.testing import compose_config, load_recipe
+from mvp_engine.engine.testing import backward_available, compose_config, load_recipe
 from mvp_engine.kit.mllm.data import IGNORE_INDEX, MLLMCollator, MLLMPack, MLLMSample
 from mvp_engine.packing import SequenceShard, enable_ulysses
 
-RECIPE = "qwen2_vl"
+RECIPE = "qwen2_vl"  # the default; --recipe picks another (context parallelism runs on this one)
+RECIPES = ("qwen2_vl", "gemma3", "gemma4")
+BLOCK_EVERY, BLOCK_TOKENS = 256, 64  # Gemma rows: per 256 tokens of a segment one 64-token bidirectional block
+DEFAULT_SLIDING_WINDOW = 512  # Gemma rows: the sliding layers' window (Gemma 4's smaller checkpoints)
+LONG_GROWTH = (8192, 32768, 4.5)  # (4): peak(32768) <= 4.5 x peak(8192), where both lengths run
 REFERENCE = "one-by-one"
 REFERENCE_BACKEND = "sdpa"
 DEFAULT_LENGTHS = (4096, 8192, 16384, 32768)
@@ -141,7 +154,7 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters (malloc.
 WORKER_RUN_NAME = "__bench_long_worker__"
 # imported once by the forkserver, so each measuring process starts with them loaded
 PRELOAD = ["psutil", "torch", "transformers", "omegaconf", "mvp_engine.engine.config", "mvp_engine.engine.loss",
-           "mvp_engine.engine.testing", "mvp_engine.kit.mllm.data", f"recipes.{RECIPE}.train"]
+           "mvp_engine.engine.testing", "mvp_engine.kit.mllm.data", *(f"recipes.{name}.train" for name in RECIPES)]
 
 
 # ------------------------------------------------------------------------------------------ rows and the model
@@ -170,37 +183,60 @@ def mrope_section(head_dim: int) -> list[int]:
 
 
 def model_overrides(args: argparse.Namespace) -> list[str]:
-    """Hydra overrides bumping the recipe's tiny language model to the benchmark's sizes (fp32, seeded)."""
+    """Hydra overrides bumping the recipe's tiny language model to the benchmark's sizes (fp32, seeded); Gemma:
+    sliding layers and full ones alternating, ending full, with ``--sliding-window``."""
     text = "model.config.text_config"
-    section = ",".join(str(s) for s in mrope_section(args.hidden // args.heads))
-    return [f"{text}.hidden_size={args.hidden}", f"{text}.intermediate_size={args.intermediate}",
-            f"{text}.num_hidden_layers={args.layers}", f"{text}.num_attention_heads={args.heads}",
-            f"{text}.num_key_value_heads={args.kv_heads}",
-            f"{text}.max_position_embeddings={max(4096, *args.lengths)}",
-            f"{text}.rope_parameters.mrope_section=[{section}]", "model.dtype=float32", f"model.seed={args.seed}"]
+    head_dim = args.hidden // args.heads
+    common = [f"{text}.hidden_size={args.hidden}", f"{text}.intermediate_size={args.intermediate}",
+              f"{text}.num_hidden_layers={args.layers}", f"{text}.num_attention_heads={args.heads}",
+              f"{text}.num_key_value_heads={args.kv_heads}",
+              f"{text}.max_position_embeddings={max(4096, *args.lengths)}", "model.dtype=float32",
+              f"model.seed={args.seed}"]
+    if args.recipe == "qwen2_vl":
+        section = ",".join(str(s) for s in mrope_section(head_dim))
+        return [*common, f"{text}.rope_parameters.mrope_section=[{section}]"]
+    kinds = ",".join("full_attention" if (args.layers - 1 - i) % 2 == 0 else "sliding_attention"
+                     for i in range(args.layers))
+    gemma = [*common, f"{text}.head_dim={head_dim}", f"{text}.layer_types=[{kinds}]",
+             f"{text}.sliding_window={args.sliding_window}"]
+    if args.recipe == "gemma4":
+        gemma.append(f"{text}.global_head_dim={2 * head_dim}")
+    else:
+        gemma.append(f"{text}.query_pre_attn_scalar={head_dim}")
+    return gemma
 
 
 def model_config(args: argparse.Namespace) -> dict:
     """The recipe's model config with the overrides, as a plain dict (it travels to the measuring processes)."""
-    return OmegaConf.to_container(compose_config(RECIPE, model_overrides(args)).model, resolve=True)
+    return OmegaConf.to_container(compose_config(args.recipe, model_overrides(args)).model, resolve=True)
 
 
 def ordinary_token_ids(config) -> torch.Tensor:
-    """Vocabulary ids that are not image / video / vision markers (those would need media)."""
-    text = config.text_config
-    special = {config.image_token_id, config.video_token_id, config.vision_start_token_id,
-               config.vision_end_token_id, text.pad_token_id}
+    """Vocabulary ids that are not image / video / vision markers (those would need media): every ``*_token_id`` /
+    ``*_token_index`` of the config and the pad id left out."""
+    text = config.get_text_config()
+    special = {value for key, value in config.to_dict().items()
+               if key.endswith(("_token_id", "_token_index")) and isinstance(value, int)} | {text.pad_token_id}
     return torch.tensor([i for i in range(text.vocab_size) if i not in special])
 
 
-def make_samples(lengths: list[int], config, seed: int) -> list[MLLMSample]:
-    """Text-only samples of the given lengths, seeded random ordinary ids, labels = input ids."""
+def make_samples(lengths: list[int], config, seed: int, type_field: str | None = None) -> list[MLLMSample]:
+    """Text-only samples of the given lengths, seeded random ordinary ids, labels = input ids; with ``type_field``
+    (Gemma's token types) each ``BLOCK_EVERY`` tokens of a segment hold a ``BLOCK_TOKENS`` run of type 1, a
+    bidirectional block as an image's soft tokens are (no pixels: the masks are what is measured)."""
     ids = ordinary_token_ids(config)
     generator = torch.Generator().manual_seed(seed)
     samples = []
     for index, n in enumerate(lengths):
         tokens = ids[torch.randint(len(ids), (n,), generator=generator)]
-        samples.append(MLLMSample(input_ids=tokens, labels=tokens.clone(), sample_id=f"seg{index}"))
+        fields = {}
+        if type_field:
+            types = torch.zeros(n, dtype=torch.long)
+            for start in range(16, n - BLOCK_TOKENS, BLOCK_EVERY):
+                types[start:start + BLOCK_TOKENS] = 1
+            fields[type_field] = types
+        samples.append(MLLMSample(input_ids=tokens, labels=tokens.clone(), sample_id=f"seg{index}",
+                                  token_fields=fields))
     return samples
 
 
@@ -259,11 +295,14 @@ def set_malloc_thresholds(mmap_bytes: int, trim_bytes: int) -> bool:
         return False
 
 
-def packed_step(recipe: Recipe, model, batch: dict, backend: str) -> None:
-    """prepare_packed + forward + token-mean loss + backward of the packed row."""
-    logits = model(**recipe.prepare_packed(batch, model, backend)).logits
-    loss = weighted_token_loss(logits, batch["labels"], batch["pack_segment_ids"], "token")
-    (loss.weighted_sum / loss.weight_total).backward()
+def packed_step(recipe: Recipe, model, batch: dict, backend: str, forward_only: bool = False) -> None:
+    """prepare_packed + forward + token-mean loss + backward of the packed row (``forward_only``: no backward, no
+    graph kept: a backend that cannot train on this machine, flex on CPU)."""
+    with torch.set_grad_enabled(not forward_only):
+        logits = model(**recipe.prepare_packed(batch, model, backend)).logits
+        loss = weighted_token_loss(logits, batch["labels"], batch["pack_segment_ids"], "token")
+        if not forward_only:
+            (loss.weighted_sum / loss.weight_total).backward()
 
 
 def one_by_one_pass(recipe: Recipe, model, batches: list[dict], total_targets: int) -> float:
@@ -313,10 +352,11 @@ def run_spec(spec: dict) -> dict:
         torch.set_num_threads(spec["threads"])
     reference = spec["backend"] == REFERENCE
     backend = REFERENCE_BACKEND if reference else spec["backend"]
-    recipe = load_recipe(RECIPE)
+    recipe = load_recipe(spec["recipe"])
     model = recipe.build_model(spec["model_cfg"], backend).train()
-    pad = model.config.text_config.pad_token_id
-    samples = make_samples(spec["segments"], model.config, spec["seed"])
+    pad = model.config.get_text_config().pad_token_id
+    samples = make_samples(spec["segments"], model.config, spec["seed"],
+                           getattr(recipe.build_encoder, "token_type_field", None))
     row = collate(samples, pad)
     if reference:
         alone = [collate([sample], pad) for sample in samples]
@@ -326,7 +366,7 @@ def run_spec(spec: dict) -> dict:
     else:
         def timed_step() -> float:
             start = time.perf_counter()
-            packed_step(recipe, model, row, backend)
+            packed_step(recipe, model, row, backend, spec["forward_only"])
             return time.perf_counter() - start
         result = measured_runs(model, timed_step, spec["repeats"], started, spec["timeout_s"])
     result["malloc_thresholds_set"] = fixed and result["malloc_thresholds_set"]
@@ -412,13 +452,15 @@ def measure(context, spec: dict, args: argparse.Namespace, workdir: Path) -> dic
     return {"error": reason}
 
 
-def runnable_backends(requested: list[str]) -> tuple[list[str], dict[str, str]]:
-    """The backends of ``requested`` this recipe and machine can train with, and why each other one is skipped."""
-    offered = load_recipe(RECIPE).attention_backends
+def runnable_backends(requested: list[str], recipe: str = RECIPE,
+                      forward_only: bool = False) -> tuple[list[str], dict[str, str]]:
+    """The backends of ``requested`` this recipe and machine can train with (``forward_only``: or run forward, as
+    flex on CPU), and why each other one is skipped."""
+    offered = load_recipe(recipe).attention_backends
     runnable, skipped = [], {}
     for name in dict.fromkeys(requested):
         try:
-            check_attention(name, offered)
+            check_attention(name, offered, training=not forward_only)
             runnable.append(name)
         except ConfigError as err:
             skipped[name] = str(err)
@@ -461,7 +503,9 @@ def measure_all(args: argparse.Namespace, model_cfg: dict, backends: list[str],
     with tempfile.TemporaryDirectory(prefix="bench_long-") as tmp:
         def measure_one(name: str, length: int) -> dict:
             spec = {"model_cfg": model_cfg, "segments": segments[length], "threads": args.threads,
-                    "repeats": args.repeats, "seed": args.seed, "timeout_s": args.timeout_s, "backend": name}
+                    "repeats": args.repeats, "seed": args.seed, "timeout_s": args.timeout_s, "backend": name,
+                    "recipe": args.recipe,
+                    "forward_only": name != REFERENCE and not backward_available(name)}
             progress(f"measuring {name} at L={length} ...")
             started = time.perf_counter()
             result = measure(context, spec, args, Path(tmp))
@@ -541,6 +585,20 @@ def target_step(rows, references, skipped, backend, lengths) -> dict:
                     f"{worst} -> {verdict(ok)}"}
 
 
+def target_long_growth(rows, skipped, backend) -> dict:
+    """(4) peak(32768) <= 4.5 x peak(8192): no L x L term anywhere (4x the tokens, 4x the memory, and some slack)."""
+    low, high, bound = LONG_GROWTH
+    head = f"(4) peak(L={high}) <= {bound} x peak(L={low})"
+    rows_at = {length: find_row(rows, backend, length) for length in (low, high)}
+    why = next((w for length, r in rows_at.items() if (w := failure(r, skipped, backend, length))), None)
+    value = None if why or not rows_at[low]["peak_added_bytes"] else (rows_at[high]["peak_added_bytes"]
+                                                                      / rows_at[low]["peak_added_bytes"])
+    ok = value is not None and value <= bound
+    shown = why or ("no peak at L=8192" if value is None else f"{value:.3f}x")
+    return {"name": "long_growth", "value": value, "limit": bound, "ok": ok,
+            "line": f"{head}: {shown} -> {verdict(ok)}"}
+
+
 def format_row(row: dict) -> str:
     head = f"{row['backend']:<18s} {row['length']:>6d}"
     if "error" in row:
@@ -553,7 +611,11 @@ def header_lines(args, model_cfg, backends, skipped, segments) -> list[str]:
     text = model_cfg["config"]["text_config"]
     sizes = (f"hidden {text['hidden_size']}, intermediate {text['intermediate_size']}, layers "
              f"{text['num_hidden_layers']}, heads {text['num_attention_heads']} (kv {text['num_key_value_heads']})")
-    lines = [f"recipe {RECIPE} language model: {sizes}, fp32 on CPU, torch threads "
+    if "sliding_window" in text:
+        sizes += (f", layers {','.join(kind.split('_')[0] for kind in text['layer_types'])}, window "
+                  f"{text['sliding_window']}; token types: a {BLOCK_TOKENS}-token bidirectional block per "
+                  f"{BLOCK_EVERY} tokens")
+    lines = [f"recipe {args.recipe} language model: {sizes}, fp32 on CPU, torch threads "
              f"{args.threads or torch.get_num_threads()}; one packed row per (backend, L); step = prepare + forward + "
              f"token loss + backward, best of {args.repeats} after 1 warm-up; peak = RSS peak - RSS before the step, "
              f"fresh process each; limits {args.memory_limit_gib:g} GiB, {args.timeout_s:g} s",
@@ -563,7 +625,9 @@ def header_lines(args, model_cfg, backends, skipped, segments) -> list[str]:
     for length, lengths in segments.items():
         lines.append(f"  L={length}: {len(lengths)} segments, {min(lengths)}..{max(lengths)} tokens "
                      f"(mean {sum(lengths) / len(lengths):.0f})")
-    lines.append(f"backends: {', '.join(backends) or 'none'}")
+    lines.append(f"backends: {', '.join(backends) or 'none'}"
+                 + "".join(f"; {name} forward only (no backward here)" for name in backends
+                           if not backward_available(name)))
     lines += [f"skipped {name}: {reason}" for name, reason in skipped.items()]
     return lines
 
@@ -584,10 +648,13 @@ def report(args, model_cfg, backends, skipped, segments, rows, references, secon
         lines += [format_row(r) for r in rows if r["length"] == length]
     backend = args.default_backend
     targets = targets_for(backend, rows, references, skipped, args.lengths)
+    if {LONG_GROWTH[0], LONG_GROWTH[1]} <= set(args.lengths):
+        targets.append(target_long_growth(rows, skipped, backend))
     lines.append(f"targets for {backend}:")
     lines += [f"  {t['line']}" for t in targets]
     lines.append(f"bench time {seconds:.1f} s")
-    return {"recipe": RECIPE, "model": model_cfg["config"]["text_config"], "args": vars(args), "backends": backends,
+    return {"recipe": args.recipe, "model": model_cfg["config"]["text_config"], "args": vars(args),
+            "backends": backends,
             "skipped": skipped, "segments": {str(k): v for k, v in segments.items()}, "rows": rows,
             "references": [references[length] for length in args.lengths], "default_backend": backend,
             "targets": targets, "ok": all(t["ok"] for t in targets), "seconds": seconds, "lines": lines}
@@ -763,9 +830,14 @@ def main_context_parallel(args: argparse.Namespace, model_cfg: dict, backends: l
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=list(DEFAULT_LENGTHS), help="packed row lengths")
-    parser.add_argument("--backends", nargs="+", default=list(load_recipe(RECIPE).attention_backends),
+    parser.add_argument("--recipe", choices=RECIPES, default=RECIPE, help="whose language model and packed inputs")
+    parser.add_argument("--backends", nargs="+", default=None,
                         help="attention backends to try (default: every one the recipe offers); those this machine "
-                             "cannot train with are skipped")
+                             "cannot train with are skipped (see --forward-only)")
+    parser.add_argument("--forward-only", action="store_true",
+                        help="run a backend this machine can only run forward (flex on CPU) forward only")
+    parser.add_argument("--sliding-window", type=int, default=DEFAULT_SLIDING_WINDOW,
+                        help="Gemma recipes: the sliding layers' window")
     parser.add_argument("--default-backend", default="sdpa_varlen", help="the backend the targets are checked for")
     parser.add_argument("--hidden", type=int, default=256, help="text_config.hidden_size")
     parser.add_argument("--intermediate", type=int, default=512, help="text_config.intermediate_size")
@@ -786,6 +858,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="N > 1: CP = 1 vs CP = N (N gloo ranks started here) on one packed row with images")
     parser.add_argument("--json", type=Path, help="write every number here")
     args = parser.parse_args(argv)
+    if args.backends is None:
+        args.backends = list(load_recipe(args.recipe).attention_backends)
+    if args.context_parallel > 1 and args.recipe != RECIPE:
+        parser.error(f"--context-parallel runs on --recipe {RECIPE}")
+    if args.sliding_window < 1:
+        parser.error("--sliding-window must be >= 1")
     if args.context_parallel < 1 or args.heads % args.context_parallel or args.kv_heads % args.context_parallel:
         parser.error("--context-parallel must be >= 1 and divide --heads and --kv-heads")
     if min(args.lengths) < 2 * MIN_SEGMENT:
@@ -806,7 +884,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     started = time.perf_counter()
-    backends, skipped = runnable_backends(args.backends)
+    backends, skipped = runnable_backends(args.backends, args.recipe, args.forward_only)
     model_cfg = model_config(args)
     segments = {length: segment_lengths(length, args.segment_median, args.segment_sigma, args.max_segment, args.seed)
                 for length in args.lengths}
