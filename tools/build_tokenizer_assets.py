@@ -415,20 +415,15 @@ def build_gemma3(out_dir: Path, vocab_size: int = 3000) -> None:
 
 def build_gemma4(out_dir: Path, vocab_size: int = 3000) -> None:
     """Gemma 3's byte-fallback BPE (``build_gemma3``) with Gemma 4's turn and image tokens and chat template
-    (``recipes.gemma4.tokens``), its turn tokens special."""
-    from transformers import AddedToken
-
+    (``recipes.gemma4.tokens``)."""
     from recipes.gemma.tokens import gemma_tokenizer
     from recipes.gemma4.tokens import END_OF_TURN, GEMMA4_CHAT_TEMPLATE, IMAGE_TOKENS, START_OF_TURN, VOCAB_SEED
 
     pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never", split=True)
     model = models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True)
     vocab, merges = train_bpe(VOCAB_SEED, vocab_size, pre_tokenizer, model=model)
-    tokenizer = gemma_tokenizer(vocab, merges, GEMMA4_CHAT_TEMPLATE, image_tokens=IMAGE_TOKENS)
-    tokenizer.add_special_tokens({"additional_special_tokens": [AddedToken(t, special=True, normalized=False)
-                                                                for t in (START_OF_TURN, END_OF_TURN)]},
-                                 replace_extra_special_tokens=False)
-    _save(tokenizer, out_dir)
+    _save(gemma_tokenizer(vocab, merges, GEMMA4_CHAT_TEMPLATE, image_tokens=IMAGE_TOKENS,
+                          turn_tokens=(START_OF_TURN, END_OF_TURN)), out_dir)
 
 
 # ----------------------------------------------------------------------------------------------------- GLM-4.1V

@@ -65,16 +65,17 @@ GEMMA3_CHAT_TEMPLATE = r"""{{ bos_token }}
 
 
 def gemma_tokenizer(vocab: dict[str, int], merges: list[tuple[str, str]], chat_template: str,
-                    image_tokens: dict[str, str] | None = None):
+                    image_tokens: dict[str, str] | None = None,
+                    turn_tokens: tuple[str, str] = (START_OF_TURN, END_OF_TURN)):
     """``GemmaTokenizer`` (byte-fallback BPE, spaces as ``▁``) over a trained ``vocab`` / ``merges``, with the
-    turn tokens special and ``image_tokens`` (default Gemma 3's ``boi_token`` / ``eoi_token`` / ``image_token``)
-    as named model-specific special tokens."""
+    ``turn_tokens`` special (default Gemma 3's) and ``image_tokens`` (default Gemma 3's ``boi_token`` /
+    ``eoi_token`` / ``image_token``) as named model-specific special tokens."""
     from transformers import AddedToken, GemmaTokenizer
 
     image_tokens = image_tokens or {"boi_token": BOI_TOKEN, "eoi_token": EOI_TOKEN, "image_token": IMAGE_SOFT_TOKEN}
     tokenizer = GemmaTokenizer(vocab=vocab, merges=merges, extra_special_tokens=image_tokens, model_max_length=8192)
     tokenizer.add_special_tokens({"additional_special_tokens": [AddedToken(t, special=True, normalized=False)
-                                                                for t in (START_OF_TURN, END_OF_TURN)]},
+                                                                for t in turn_tokens]},
                                  replace_extra_special_tokens=False)
     tokenizer.chat_template = chat_template
     return tokenizer
