@@ -52,3 +52,32 @@ class TestPackedEquivalence(EquivalenceSuite):
         for prepare in (prepare_packed, case.recipe.prepare_padded):
             with pytest.raises(ValueError, match="no 'mm_token_type_ids'.*silently drops"):
                 prepare(batch, model, "sdpa")
+
+
+def test_transformers_own_packed_gemma4_path_differs_from_one_by_one(tmp_path):
+    """The trap the recipe's masks avoid, on Gemma 4 (transformers 5.24): with packed ``position_ids``, the token
+    types and no mask, ``create_causal_mask`` re-indexes the sliding layers' image-block overlay by per-segment
+    positions, so a row's later samples with images come out wrong while its first samples stay exact. The day a
+    transformers release fixes it this test fails, and the recipe's own masks can be reconsidered."""
+    from mvp_engine.engine.testing import equivalence_case
+    from mvp_engine.packing import text_positions
+
+    case = equivalence_case("gemma4", tmp_path)
+    model = case.recipe.build_model(case.model_cfg, "sdpa").eval()
+    batch = case.batch
+    with torch.no_grad():
+        theirs = model(input_ids=batch["input_ids"], position_ids=text_positions(batch), use_cache=False,
+                       mm_token_type_ids=batch["mm_token_type_ids"], pixel_values=batch["pixel_values"],
+                       image_position_ids=batch["image_position_ids"]).logits
+        ours = model(**prepare_packed(batch, model, "sdpa")).logits
+        diffs = []
+        for row, start, end, sample in case.segments():
+            alone = model(**case.recipe.prepare_padded(case.alone(sample), model, "sdpa")).logits[0]
+            diffs.append((start, sample.num_media, (theirs[row, start:end] - alone).abs().max().item(),
+                          (ours[row, start:end] - alone).abs().max().item()))
+    print("\n".join(f"segment at {start:>3} ({media} images): transformers' packed path {theirs:.3e}, ours {ours:.3e}"
+                    for start, media, theirs, ours in diffs))
+    assert all(ours <= 1e-5 for *_, ours in diffs)
+    assert all(theirs <= 1e-5 for start, _, theirs, _ in diffs if start == 0)
+    later_images = [theirs for start, media, theirs, _ in diffs if start > 0 and media]
+    assert later_images and min(later_images) > 1e-3, diffs
