@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
@@ -42,14 +43,14 @@ from mvp_engine.kit.mllm.data import CostProfile, Rate, WorkUnits
 from mvp_engine.kit.mllm.data.cost import BLOCK_MASK, FLEX_BLOCK, VARLEN, attention_pairs, chunked_tokens, useful_pairs
 from mvp_engine.kit.mllm.data.media import IMAGES, VIDEOS
 from mvp_engine.packing import (
+    FULL,
+    SLIDING,
     Predicate,
     batch_type_blocks,
-    causal,
+    layer_predicates,
     packed_inputs,
     packed_predicate,
-    same_block,
     segment_run_ids,
-    sliding_window,
     unwrap_model,
 )
 
@@ -59,7 +60,6 @@ VISION_NAMES = ("visual", "vision_tower", "vision_model")
 PROJECTOR_NAMES = ("multi_modal_projector", "merger", "projector", "embed_vision")
 LINEAR_CHUNK = 64  # transformers' chunk_gated_delta_rule default
 FULL_ATTENTION_TYPES = ("full_attention", "chunked_attention")  # chunked (Llama 4): counted as full
-SLIDING_TYPE = "sliding_attention"
 
 # Dense bf16/fp16 tensor-core peaks in TFLOP/s (vendor data sheets, without sparsity), matched in this order against
 # torch.cuda.get_device_name(): the first substring found wins.
@@ -121,7 +121,7 @@ def _attention_widths(text) -> tuple[int, int]:
     for index, kind in enumerate(layer_types):
         head_dim = getattr(per_layer[index], "head_dim", None) if per_layer is not None else None
         width = heads * int(head_dim) if head_dim else _attention_width(text)
-        if kind == SLIDING_TYPE:
+        if kind == SLIDING:
             sliding += width
         elif kind in FULL_ATTENTION_TYPES:
             full += width
@@ -336,14 +336,12 @@ def _span_blocks(block_ids: torch.Tensor, segment_ids: torch.Tensor,
 
 
 def _layer_predicates(profile: CostProfile, block_ids: torch.Tensor | None) -> dict[str, Predicate]:
-    """The masks the profile's layer types compute: causal, or causal | same block; sliding ones inside the window."""
-    def core(with_blocks: bool) -> Predicate:
-        return causal() | same_block(block_ids) if with_blocks and block_ids is not None else causal()
-
-    layers = {"full": core(profile.full_blocks)}
-    if profile.sliding_window:
-        layers["sliding"] = sliding_window(profile.sliding_window) & core(profile.sliding_blocks)
-    return layers
+    """The masks the profile's layer types compute, as the packed inputs build them (``packing.layer_predicates``
+    over the profile's window and block layer types)."""
+    layer_types = [FULL, SLIDING] if profile.sliding_window else [FULL]
+    with_blocks = [t for t, on in ((FULL, profile.full_blocks), (SLIDING, profile.sliding_blocks)) if on]
+    config = SimpleNamespace(layer_types=layer_types, sliding_window=profile.sliding_window)
+    return layer_predicates(config, block_ids, with_blocks)
 
 
 def _flex_tiles(segment_ids: torch.Tensor, predicate: Predicate) -> int:
@@ -370,7 +368,7 @@ def _executed_pairs(profile: CostProfile, kind: str, segment_ids: torch.Tensor, 
     if kind == BLOCK_MASK:
         predicates = _layer_predicates(profile, block_ids)
         return tuple(_flex_tiles(segment_ids, predicates[k]) * FLEX_BLOCK * FLEX_BLOCK if k in predicates else 0
-                     for k in ("full", "sliding"))
+                     for k in (FULL, SLIDING))
     return rows * width * width, rows * width * width if window else 0
 
 
