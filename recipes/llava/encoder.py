@@ -13,33 +13,15 @@ fails at planning, naming the record, not in the middle of an epoch.
 
 from __future__ import annotations
 
-import torch
-from PIL import Image
+from mvp_engine.kit.mllm.data.chat import ChatTemplateEncoder, FixedImageTokens
 
-from mvp_engine.kit.mllm.data.chat import ChatTemplateEncoder
-
-from .model import IMAGE_TOKEN, LlavaProcessorBundle
+from .model import IMAGE_TOKEN
 
 
-class LlavaSampleEncoder(ChatTemplateEncoder):
-    """Implements ``MLLMSampleEncoder`` for LLaVA; every error names ``record.origin``."""
+class LlavaSampleEncoder(FixedImageTokens, ChatTemplateEncoder):
+    """Implements ``MLLMSampleEncoder`` for LLaVA (``LlavaProcessorBundle.image_seq_length`` tokens per image);
+    every error names ``record.origin``."""
 
     image_token = IMAGE_TOKEN
     assistant_header = "ASSISTANT:"
     turn_end = "</s>"
-
-    def __init__(self, processor: LlavaProcessorBundle):
-        super().__init__(processor)
-        self.image_processor = processor.image_processor
-        self.tokens_per_image = int(processor.image_seq_length)
-        if self.tokens_per_image < 1:
-            raise ValueError("LlavaProcessorBundle.image_seq_length must be set (build it with build_processor)")
-
-    def encode_images(self, images: list[Image.Image]) -> tuple[dict[str, torch.Tensor], list[int]]:
-        pixel_values = self.image_processor(images=images, return_tensors="pt")["pixel_values"]
-        return {"pixel_values": pixel_values}, [self.tokens_per_image] * len(images)
-
-    def image_token_count(self, width: int, height: int) -> int:
-        if width < 1 or height < 1:
-            raise ValueError(f"image has no pixels ({width}x{height})")
-        return self.tokens_per_image

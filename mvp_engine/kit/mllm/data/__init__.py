@@ -10,7 +10,7 @@ from .assembler import (
 )
 from .bad_records import BadRecord, BadRecordReport, TooManyBadRecords
 from .balance import StepLayout, balance_rng, balanced_order, imbalance_summary
-from .chat import ChatTemplateEncoder
+from .chat import ChatTemplateEncoder, FixedImageTokens
 from .check import decode_faults, find_bad_records
 from .collator import MLLMCollator
 from .cost import CostProfile, Rate, WorkUnits, pack_costs
@@ -35,6 +35,7 @@ __all__ = [
     "IGNORE_INDEX",
     "BestFitDecreasingAssembler",
     "ChatTemplateEncoder",
+    "FixedImageTokens",
     "CostProfile",
     "EpochPlan",
     "GreedyAssembler",

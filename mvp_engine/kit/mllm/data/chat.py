@@ -342,3 +342,27 @@ class ChatTemplateEncoder:
     def _media_end(self, input_ids: torch.Tensor) -> int:
         positions = torch.isin(input_ids, self._placeholder_ids).nonzero()
         return int(positions[-1]) + 1 if positions.numel() else 0
+
+
+class FixedImageTokens:
+    """Encoder mixin (before the encoder class in the bases) for models whose every image becomes the same number
+    of placeholder tokens (LLaVA's ``image_seq_length``, Gemma 3's ``mm_tokens_per_image``): the processor bundle's
+    ``image_processor`` gives the pixels and its ``image_seq_length`` the count, so ``measure`` needs only an
+    image header that opens."""
+
+    def __init__(self, processor):
+        super().__init__(processor)
+        self.image_processor = processor.image_processor
+        self.tokens_per_image = int(processor.image_seq_length)
+        if self.tokens_per_image < 1:
+            raise ValueError(f"{type(processor).__name__}.image_seq_length must be set (build it with "
+                             "build_processor)")
+
+    def encode_images(self, images: list[Image.Image]) -> tuple[dict[str, torch.Tensor], list[int]]:
+        pixel_values = self.image_processor(images=images, return_tensors="pt")["pixel_values"]
+        return {"pixel_values": pixel_values}, [self.tokens_per_image] * len(images)
+
+    def image_token_count(self, width: int, height: int) -> int:
+        if width < 1 or height < 1:
+            raise ValueError(f"image has no pixels ({width}x{height})")
+        return self.tokens_per_image
