@@ -4,7 +4,8 @@ unsplit (logits of every position, the loss, every parameter's gradient summed o
 The rows are the equivalence case's (several samples with images, a text-only sample, the recipe's clip when it
 takes video) padded so that the cut between the two ranks falls inside an image's placeholder run: its features
 are cut by the exchange, never its pixels. The CP side runs in two spawned processes (``torch.multiprocessing``
-over a file store), each with the engine's own ``sequence_parallel_forward``; the reference runs here.
+over a file store) on one saved batch, each with the engine's own ``sequence_parallel_forward``; the unsplit
+reference runs in the first of them before any CP group is set, so both sides see the same inputs and process state.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ from mvp_engine.packing import SequenceShard, enable_ulysses, set_sequence_shard
 from ..context_parallel import sequence_parallel_forward
 from ..loss import weighted_token_loss
 from ..participation import dummy_passes, media_kinds
+from ..recipe import Recipe
 from .equivalence import EquivalenceCase, collate_rows
 from .launch import final_weights, launch, max_weight_difference, read_metrics, read_summary
 from .records import write_mixed_jsonl
-from .structure import backward_available
+from .structure import backward_available, compose_config, load_recipe
 
 CP_SIZE = 2
 
@@ -64,14 +66,14 @@ class SplitReport:
                 f"max relative grad diff {grads}")
 
 
-def _forward_and_grads(case: EquivalenceCase, batch: dict, backend: str, shard: SequenceShard | None):
+def _forward_and_grads(recipe: Recipe, model_cfg, batch: dict, backend: str, shard: SequenceShard | None):
     """Logits (this rank's chunk under CP), this rank's part of the token-mean loss over the whole rows, and the
     parameter gradients (None where backward is not available)."""
-    model = case.recipe.build_model(case.model_cfg, backend).eval()
-    dummy, kinds = case.recipe.dummy_media(model), media_kinds(model)
+    model = recipe.build_model(model_cfg, backend).eval()
+    dummy, kinds = recipe.dummy_media(model), media_kinds(model)
     grads = backward_available(backend)
     with torch.set_grad_enabled(grads):
-        kwargs = case.recipe.prepare_packed(batch, model, backend)
+        kwargs = recipe.prepare_packed(batch, model, backend)
         if shard is None:
             outputs, zero, span = model(**kwargs), None, None
         else:
@@ -88,32 +90,6 @@ def _forward_and_grads(case: EquivalenceCase, batch: dict, backend: str, shard: 
     return outputs.logits.detach(), loss.detach(), gradients
 
 
-def _split_worker(rank: int, recipe: str, workdir: str, backends: list[str], out: str) -> None:
-    """One CP rank: the case rebuilt (same records, same seeds), each backend's forward and backward on this rank's
-    chunk; rank 0 writes the gathered logits, the summed loss and the summed gradients."""
-    from .equivalence import equivalence_case  # the worker builds its own case: nothing large is pickled
-
-    dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=CP_SIZE)
-    try:
-        shard = SequenceShard(dist.group.WORLD, rank, CP_SIZE)
-        case = equivalence_case(recipe, Path(workdir) / f"rank{rank}")
-        batch = split_inside_media(case)
-        results = {}
-        for backend in backends:
-            logits, loss, gradients = _forward_and_grads(case, batch, backend, shard)
-            pieces = [torch.empty_like(logits) for _ in range(CP_SIZE)]
-            dist.all_gather(pieces, logits.contiguous())
-            dist.all_reduce(loss)
-            for g in gradients or ():
-                dist.all_reduce(g)
-            results[backend] = (torch.cat(pieces, dim=1), loss, gradients)
-        if rank == 0:
-            torch.save(results, out)
-    finally:
-        set_sequence_shard(None)
-        dist.destroy_process_group()
-
-
 def _relative(gradients: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
     worst = 0.0
     for g, ref in zip(gradients, reference):
@@ -122,23 +98,45 @@ def _relative(gradients: list[torch.Tensor], reference: list[torch.Tensor]) -> f
     return worst
 
 
+def _split_worker(rank: int, recipe_name: str, workdir: str, backends: list[str]) -> None:
+    """One CP rank, on the batch the caller saved (every process the same inputs, nothing encoded twice): per
+    backend, rank 0 first runs the unsplit reference (no CP group set), then both ranks the split forward and
+    backward; rank 0 writes each backend's report."""
+    dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=CP_SIZE)
+    try:
+        recipe, model_cfg = load_recipe(recipe_name), compose_config(recipe_name).model
+        batch = torch.load(Path(workdir) / "batch.pt")
+        shard = SequenceShard(dist.group.WORLD, rank, CP_SIZE)
+        reports = []
+        for backend in backends:
+            set_sequence_shard(None)
+            reference = _forward_and_grads(recipe, model_cfg, batch, backend, None) if rank == 0 else None
+            logits, loss, gradients = _forward_and_grads(recipe, model_cfg, batch, backend, shard)
+            pieces = [torch.empty_like(logits) for _ in range(CP_SIZE)]
+            dist.all_gather(pieces, logits.contiguous())
+            dist.all_reduce(loss)
+            for g in gradients or ():
+                dist.all_reduce(g)
+            if rank == 0:
+                ref_logits, ref_loss, ref_gradients = reference
+                reports.append(SplitReport(backend, float((torch.cat(pieces, dim=1) - ref_logits).abs().max()),
+                                           abs(float(loss) - float(ref_loss)),
+                                           None if gradients is None else _relative(gradients, ref_gradients)))
+        if rank == 0:
+            torch.save(reports, Path(workdir) / "reports.pt")
+    finally:
+        set_sequence_shard(None)
+        dist.destroy_process_group()
+
+
 def check_split_row_equivalence(case: EquivalenceCase, backends: list[str], workdir: Path) -> list[SplitReport]:
-    """CP = 2 (two spawned gloo ranks) vs unsplit on each of ``backends``: the whole rows' logits, the loss and
-    every parameter gradient (summed over the CP ranks) agree; returns one report per backend."""
+    """CP = 2 (two spawned gloo ranks) vs unsplit on each of ``backends``, on the case's rows cut inside an image
+    (:func:`split_inside_media`): the whole rows' logits, the loss and every parameter gradient (summed over the CP
+    ranks) agree; returns one report per backend."""
     workdir = Path(tempfile.mkdtemp(dir=workdir))
-    out = workdir / "split.pt"
-    mp.spawn(_split_worker, args=(case.recipe.name, str(workdir), list(backends), str(out)), nprocs=CP_SIZE,
-             join=True)
-    split = torch.load(out)
-    batch = split_inside_media(case)
-    reports = []
-    for backend in backends:
-        logits, loss, gradients = _forward_and_grads(case, batch, backend, None)
-        split_logits, split_loss, split_gradients = split[backend]
-        reports.append(SplitReport(backend, float((split_logits - logits).abs().max()),
-                                   abs(float(split_loss) - float(loss)),
-                                   None if gradients is None else _relative(split_gradients, gradients)))
-    return reports
+    torch.save(split_inside_media(case), workdir / "batch.pt")
+    mp.spawn(_split_worker, args=(case.recipe.name, str(workdir), list(backends)), nprocs=CP_SIZE, join=True)
+    return torch.load(workdir / "reports.pt", weights_only=False)
 
 
 def check_split_training(recipe: str, run_dir: Path, split: tuple[int, int], reference: tuple[int, int],

@@ -193,6 +193,11 @@ def run_equivalence(case: EquivalenceCase, backend: str, *, prepare_packed: Call
     dtype = dtype or (torch.bfloat16 if flash else torch.float32)
     tol = tol if tol is not None else (TOL if dtype == torch.float32 else LOW_PRECISION_TOL)
     prepare = prepare_packed or case.recipe.prepare_packed
+    if backend == FLEX and device == "cpu":
+        # torch 2.13's inductor CPU flex template fails to compile (C++ error, 'cur_qSplitSize1' undeclared) when
+        # dynamo recompiles flex with dynamic shapes after an earlier case's shapes (seen: llava's flex case, then
+        # gemma4's in one process); every case compiles its own static kernels
+        torch._dynamo.reset()
     model = case.recipe.build_model(case.model_cfg, backend)
     if lora is not None:
         model = with_random_adapters(model, lora)
