@@ -15,6 +15,7 @@ import mvp_engine.engine.testing as kit
 from mvp_engine.engine.checkpoint import CHECKPOINTS, RunState
 from mvp_engine.engine.config import ConfigError, resolve_run_specs
 from mvp_engine.engine.plan_report import compute_step_estimate
+from mvp_engine.engine.run_files import RunFiles
 from mvp_engine.engine.trainer import Progress
 from mvp_engine.kit.mllm.data import (
     MLLMDataKit,
@@ -135,6 +136,29 @@ def test_plans_and_ledgers_count_every_draw_per_source(mixture):
     assert len({tuple(sorted(set(dataset.draw(e).tolist()) & set(range(8, 16)))) for e in range(6)}) > 1
     counts = [len(dataset.plan(epoch).packs) for epoch in range(3)]
     assert dataset.estimate_total_steps(3, 2) == sum(-(-n // 2) for n in counts)
+
+
+def test_the_dropped_records_file_has_a_line_per_dropped_draw_naming_its_source(tmp_path):
+    """A record a ``repeat: 2`` source draws twice and the plan drops is two lines of ``dropped_records.jsonl``
+    (``draw`` 0 and 1), each naming its source; per source and reason the lines are the tallies' drops, the draws
+    ``drop_last`` leaves out included."""
+    a = write_fake_source(tmp_path / "a.jsonl", 0, [40, 300, 30, 20])
+    b = write_fake_source(tmp_path / "b.jsonl", 100, [300, 50, 10])
+    spec = MLLMDataSpec(sources=[{"path": str(a), "repeat": 2}, {"path": str(b), "name": "once"}],
+                        packing=MLLMPackingSpec(max_seq_len=64, strategy="bfd", buffer_size=4096),
+                        cache_dir=str(tmp_path / "cache"), measure_workers=1)
+    dataset = MLLMDataKit.build_dataset(spec, FakeEncoder(), drop_last=True, micro_batch_size=3)
+    files = RunFiles(tmp_path / "run")
+    files.make()
+    files.list_dropped_records(dataset, 3, 0)
+    lines = [json.loads(line) for line in files.dropped_records.read_text().splitlines()]
+    assert [(line["source"], line["record_id"], line["draw"]) for line in lines if line["reason"] == "overlong"] == \
+        [("a", "r1", 0), ("a", "r1", 1), ("once", "r100", 0)]
+    tallies = dataset.epoch_sources(3, 0)
+    assert tallies[0].dropped["drop_last"] > 0
+    assert Counter((line["source"], line["reason"]) for line in lines) == \
+        Counter({(s.name, reason): n for s, t in zip(dataset.sources, tallies) for reason, n in t.dropped.items()})
+    assert len({(line["origin"], line["draw"]) for line in lines}) == len(lines)
 
 
 def test_served_packs_count_samples_and_tokens_per_source(mixture):

@@ -6,6 +6,7 @@ Only ``Trainer.run`` writes them (building a ``Trainer`` writes nothing), and on
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 from .checkpoint import RunState
@@ -54,14 +55,22 @@ class RunFiles:
         path.write_text("".join(line + "\n" for line in kept))
 
     def list_dropped_records(self, dataset, micro_batch_size: int, epoch: int) -> None:
-        """Append the epoch's dropped records (with reasons) beside the summary: a million ids do not belong
-        inline. ``bad_records.jsonl`` is kept current as faults appear."""
-        records = dataset.records
+        """Append the epoch's dropped draws (with reasons) beside the summary: a million ids do not belong
+        inline. One line per draw, as the per-source tallies count them, with its ``source``'s name: a record a
+        ``repeat: 2`` source draws twice and drops is two lines, ``draw`` 0 and 1 (the draws of one record are
+        alike, so they are numbered in the record's lines of the epoch). ``bad_records.jsonl`` is kept current as
+        faults appear."""
+        records, sources = dataset.records, dataset.sources
         dropped = dataset.dropped_records(micro_batch_size, epoch)
+        source_of = dataset.source_of([index for index, _ in dropped]).tolist()
+        draws = Counter()
         with open(self.dropped_records, "a") as handle:
-            for index, reason in sorted(dropped.items()):
-                handle.write(json.dumps({"epoch": epoch, "origin": records[index].origin,
-                                         "record_id": records[index].record_id, "reason": reason}) + "\n")
+            for (index, reason), source in zip(dropped, source_of, strict=True):
+                record = records[index]
+                handle.write(json.dumps({"epoch": epoch, "source": sources[source].name, "origin": record.origin,
+                                         "record_id": record.record_id, "draw": draws[index],
+                                         "reason": reason}) + "\n")
+                draws[index] += 1
 
     def write_summary(self, summary: dict) -> None:
         with open(self.output_dir / SUMMARY, "w") as handle:

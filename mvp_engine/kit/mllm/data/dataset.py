@@ -295,14 +295,16 @@ class _PackedDatasetBase:
         """Records of the epoch's packs that no rank trains on (see :meth:`_left_out_draws`)."""
         return frozenset(self._left_out_draws(micro_batch_size, epoch).tolist())
 
-    def dropped_records(self, micro_batch_size: int, epoch: int | None = None) -> dict[int, str]:
-        """Record index -> reason of every record the epoch draws and plans not to train (bad records aside)."""
+    def dropped_records(self, micro_batch_size: int, epoch: int | None = None) -> list[tuple[int, str]]:
+        """``(record index, reason)`` of every draw the epoch plans not to train (bad records aside), by record
+        index: one per draw, as :meth:`epoch_sources` counts them, so a record drawn twice (``repeat: 2``) and
+        dropped is listed twice."""
         plan = self.plan(epoch)
-        drawn = np.zeros(len(self.records), dtype=bool)
-        drawn[self.draw(plan.epoch)] = True
-        dropped = {i: reason for i, reason in plan.dropped.items() if drawn[i]}
-        dropped.update((i, "drop_last") for i in self.left_out_by_drop_last(micro_batch_size, epoch))
-        return dropped
+        draw = self.draw(plan.epoch)
+        reasons = plan.dropped
+        dropped = [(i, reasons[i]) for i in draw[plan.admission.codes[draw] > 0].tolist()]
+        dropped += [(i, "drop_last") for i in self._left_out_draws(micro_batch_size, plan.epoch).tolist()]
+        return sorted(dropped)
 
     @cached_property
     def _bad_before_training(self) -> tuple[dict[int, str], Counter]:
