@@ -22,7 +22,9 @@ from mvp_engine.engine import trackers
 from mvp_engine.engine.checkpoint import CHECKPOINTS
 from mvp_engine.engine.config import ConfigError, resolve_run_specs
 from mvp_engine.engine.evaluate import EVAL_FILE, evaluate, evaluate_recipe
+from mvp_engine.engine.testkit.records import write_messy_jsonl
 from mvp_engine.engine.trainer import run_recipe
+from mvp_engine.kit.mllm.data import TooManyBadRecords
 
 RECIPE = "llava"
 EVAL_TOL = 1e-5
@@ -187,6 +189,22 @@ def test_held_out_records_left_out_are_counted_and_said(data, tmp_path, capsys):
     assert result["eval_samples"] == 12 - dropped
     assert re.search(r"eval data \w+: \d+ of \d+ records left out, by reason \{'overlong': \d+\}",
                      capsys.readouterr().out)
+
+
+def test_bad_eval_records_count_toward_the_bad_fraction_of_their_source(tmp_path):
+    """An eval source is held to ``data.max_bad_fraction`` on its own: a third of it broken stops before any model
+    runs when reading and measuring find too many, and after the evaluation when the corrupt image body only
+    decoding finds tips it over; the line names the source."""
+    data, expected = write_messy_jsonl(tmp_path / "messy", num_records=27)
+    found_before = sum(reason not in {"corrupt_image"} for reason in expected.values())
+    assert (found_before, len(expected)) == (8, 9)
+    for limit, bad in (("0.01", found_before), ("0.3", len(expected))):
+        cfg = kit.compose_config(RECIPE, [f"data.eval_sources=[{data}]", f"train.output_dir={tmp_path}",
+                                          f"data.max_bad_fraction={limit}"])
+        with pytest.raises(TooManyBadRecords) as err:
+            evaluate(cfg, kit.load_recipe(RECIPE))
+        assert str(err.value).startswith(f"data.eval_sources: messy: {bad} of 27 records are bad "), str(err.value)
+        assert "\n" not in str(err.value)
 
 
 def test_evaluate_without_eval_sources_stops_with_one_line(tmp_path, capsys):

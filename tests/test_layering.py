@@ -158,3 +158,42 @@ def test_the_layering_check_catches_what_it_names():
     assert layering_violations("tools.estimate_steps", "from tools.pack_report import ReportSpec\n") == [
         "tools.estimate_steps:1: imports tools.pack_report (a tool imports another tool)"]
     assert layering_violations("recipes.qwen2_vl.model", "from recipes.qwen import build_qwen_model\n") == []
+
+
+# --- product code imports no test code -----------------------------------------------------------------------------
+
+TEST_KIT = ("mvp_engine.engine.testkit", "mvp_engine.engine.testing")
+# tools whose job is to run the kit's own checks or launches on a recipe, and what they take from it
+TEST_KIT_TOOLS = {
+    "tools.validate_recipe": "testkit.validate's checks of a recipe's real run",
+    "tools.check_packed_equivalence": "testkit.equivalence's packed == one-by-one comparison",
+    "tools.bench_balance": "testkit.launch's real training launches and its image writer",
+}
+
+
+def kit_imports_of(where: str, source: str) -> list[str]:
+    """Imports of the test kit by the module named ``where``, one line each."""
+    return [f"{where}:{line}: imports {module} (the test kit)" for line, module in absolute_imports(where, source)
+            if any(module == kit or module.startswith(kit + ".") for kit in TEST_KIT)]
+
+
+def product_modules() -> list[Path]:
+    return [p for p in layered_modules() if not any(module_name(p) == kit or module_name(p).startswith(kit + ".")
+                                                    for kit in TEST_KIT) and module_name(p) not in TEST_KIT_TOOLS]
+
+
+@pytest.mark.parametrize("path", product_modules(), ids=lambda p: p.relative_to(REPO_ROOT).as_posix())
+def test_product_code_imports_no_test_kit(path):
+    """``load_recipe``, ``compose_config`` and the specs live in the engine: the trainer, reports and tools run on
+    them, never on test code (which may import pytest, spawn processes, or change under the suites' needs)."""
+    assert kit_imports_of(module_name(path), path.read_text()) == []
+
+
+def test_the_test_kit_check_catches_what_it_names():
+    source = ("from .testkit.structure import load_recipe\n"
+              "from mvp_engine.engine.config import compose_config\n"
+              "def main():\n    from mvp_engine.engine.testing import launch\n")
+    assert kit_imports_of("mvp_engine.engine.report_config", source) == [
+        "mvp_engine.engine.report_config:1: imports mvp_engine.engine.testkit.structure (the test kit)",
+        "mvp_engine.engine.report_config:4: imports mvp_engine.engine.testing (the test kit)"]
+    assert set(TEST_KIT_TOOLS) <= {module_name(p) for p in layered_modules()}, "a listed tool is gone: drop it"

@@ -13,16 +13,14 @@ import json
 import math
 import subprocess
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
 
 from mvp_engine.engine.config import ConfigError, resolve_run_specs
 from mvp_engine.engine.demo import JSONL_NAME, with_demo_data, write_demo_dataset
 from mvp_engine.engine.plan_report import compute_pack_report, compute_step_estimate
-from mvp_engine.engine.report_config import REPORT_DEFAULTS, ReportSpec, report_spec, resolve_world_size
+from mvp_engine.engine.report_config import ReportSpec, report_spec, resolve_world_size
 from mvp_engine.engine.testing import compose_config, load_recipe, packing_overrides
 from mvp_engine.engine.trainer import Trainer
 from mvp_engine.kit.mllm.data import MLLMDataKit
@@ -165,7 +163,7 @@ def test_world_size_comes_from_the_config_else_the_environment(monkeypatch):
 
 
 def test_report_config_defaults_and_errors():
-    assert OmegaConf.to_container(OmegaConf.load(REPORT_DEFAULTS)) == asdict(ReportSpec())
+    assert report_spec(compose_config(RECIPE_NAME)) == ReportSpec()  # no report.* given: ReportSpec's defaults
     with pytest.raises(ConfigError, match=r"report.bins=0 is invalid"):
         report_spec(compose_config(RECIPE_NAME, ["+report.bins=0"]))
     with pytest.raises(ConfigError, match=r"^report: .*nope"):

@@ -227,8 +227,8 @@ def cache_files(cache: Path) -> dict[str, int]:
 
 def compose_run(spec: dict, packing: str):
     """The run specs and the recipe as ``python -m recipes.qwen2_vl.train`` builds them for this phase."""
-    from mvp_engine.engine.config import resolve_run_specs
-    from mvp_engine.engine.testing import compose_config, load_recipe
+    from mvp_engine.engine.config import compose_config, resolve_run_specs
+    from mvp_engine.engine.recipe import load_recipe
 
     recipe = load_recipe(RECIPE)
     overrides = [f"+packing={packing}", f"data.max_seq_len={spec['max_seq_len']}",
@@ -316,8 +316,8 @@ def phase_main(spec_path: str) -> None:
     began = time.perf_counter()
     import datasets  # noqa: F401 - the store imports it lazily; an import, not part of opening the store
 
+    from mvp_engine.engine.recipe import load_recipe
     from mvp_engine.engine.run_data import build_run_dataset
-    from mvp_engine.engine.testing import load_recipe
 
     load_recipe(RECIPE)
     imported = time.perf_counter()

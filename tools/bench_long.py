@@ -119,13 +119,12 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
 
-from mvp_engine.engine.config import ConfigError, check_attention
+from mvp_engine.engine.config import ConfigError, backward_available, check_attention, compose_config
 from mvp_engine.engine.context_parallel import sequence_parallel_forward
 from mvp_engine.engine.loss import weighted_token_loss
 from mvp_engine.engine.participation import media_kinds
-from mvp_engine.engine.recipe import Recipe
+from mvp_engine.engine.recipe import Recipe, load_recipe
 from mvp_engine.engine.recompute import SavedForBackward
-from mvp_engine.engine.testing import backward_available, compose_config, load_recipe
 from mvp_engine.kit.mllm.data import IGNORE_INDEX, MLLMCollator, MLLMPack, MLLMSample
 from mvp_engine.packing import SequenceShard, enable_ulysses
 
@@ -154,7 +153,7 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters (malloc.
 WORKER_RUN_NAME = "__bench_long_worker__"
 # imported once by the forkserver, so each measuring process starts with them loaded
 PRELOAD = ["psutil", "torch", "transformers", "omegaconf", "mvp_engine.engine.config", "mvp_engine.engine.loss",
-           "mvp_engine.engine.testing", "mvp_engine.kit.mllm.data", *(f"recipes.{name}.train" for name in RECIPES)]
+           "mvp_engine.engine.recipe", "mvp_engine.kit.mllm.data", *(f"recipes.{name}.train" for name in RECIPES)]
 
 
 # ------------------------------------------------------------------------------------------ rows and the model

@@ -56,15 +56,14 @@ from omegaconf import OmegaConf
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from mvp_engine.engine.config import RunSpecs, TrainSpec, resolve_run_specs
+from mvp_engine.engine.config import RunSpecs, TrainSpec, compose_config, resolve_run_specs
 from mvp_engine.engine.demo import with_demo_data
 from mvp_engine.engine.loss import weighted_token_loss
 from mvp_engine.engine.participation import dummy_passes, forward_with_media_pass, freeze_parameters, media_kinds
-from mvp_engine.engine.recipe import Recipe
+from mvp_engine.engine.recipe import Recipe, load_recipe
 from mvp_engine.engine.recompute import SavedForBackward, enable_activation_checkpointing
 from mvp_engine.engine.run_data import build_run_dataset
 from mvp_engine.engine.sharding import shard_model
-from mvp_engine.engine.testing import compose_config, load_recipe
 from mvp_engine.engine.train_step import optimizer_and_schedule
 from mvp_engine.kit.mllm.data import MLLMCollator
 

@@ -72,14 +72,13 @@ import torch
 from omegaconf import DictConfig
 from transformers.trainer_pt_utils import get_length_grouped_indices
 
-from mvp_engine.engine.config import AUTO_ATTENTION, RunSpecs, resolve_attention, resolve_run_specs
+from mvp_engine.engine.config import AUTO_ATTENTION, RunSpecs, compose_config, resolve_attention, resolve_run_specs
 from mvp_engine.engine.demo import with_demo_data
 from mvp_engine.engine.launch import build_accelerator
 from mvp_engine.engine.participation import freeze_parameters, media_kinds
 from mvp_engine.engine.plan_report import micro_batches, rank_rows
-from mvp_engine.engine.recipe import Recipe
+from mvp_engine.engine.recipe import Recipe, load_recipe
 from mvp_engine.engine.run_data import build_run_dataset
-from mvp_engine.engine.testing import compose_config, load_recipe
 from mvp_engine.engine.train_step import TrainStep, optimizer_and_schedule
 from mvp_engine.kit.mllm.data import MLLMCollator, MLLMDataKit, MLLMRecord, MLLMSample, SampleMeta
 from mvp_engine.packing import SDPA_VARLEN

@@ -31,8 +31,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from mvp_engine.engine.config import ConfigError, resolve_run_specs
 from mvp_engine.engine.demo import with_demo_data
+from mvp_engine.engine.recipe import load_recipe, recipe_name
 from mvp_engine.engine.run_data import run_data_spec
-from mvp_engine.engine.testing import load_recipe
 from mvp_engine.kit.mllm.data import BadRecord, BadRecordReport, MLLMRecordError, find_bad_records
 
 DECODE_FLAG = "--decode"  # a plain flag on the command line, read as ``check.decode=true``
@@ -90,12 +90,6 @@ def resolve_out_dir(spec: CheckSpec) -> Path:
     if HydraConfig.initialized() and HydraConfig.get().runtime.output_dir:
         return Path(HydraConfig.get().runtime.output_dir)
     return Path("outputs") / "check_data"
-
-
-def recipe_name(cfg: DictConfig) -> str:
-    if HydraConfig.initialized() and HydraConfig.get().job.config_name:
-        return str(HydraConfig.get().job.config_name)
-    return str(cfg.model.name)
 
 
 @hydra.main(config_path="../conf", config_name="qwen2_vl", version_base="1.3")

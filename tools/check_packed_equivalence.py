@@ -23,7 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mvp_engine.engine.config import ATTENTION_BACKENDS, ConfigError, check_attention
-from mvp_engine.engine.testing import equivalence_case, load_recipe, run_equivalence, without_linear_boundaries
+from mvp_engine.engine.recipe import load_recipe
+from mvp_engine.engine.testing import equivalence_case, run_equivalence, without_linear_boundaries
 
 
 def main(argv: list[str] | None = None, prepare_packed: Callable | None = None) -> int:

@@ -1,13 +1,22 @@
-"""Structured configs of a training run and their conversion from Hydra, failing early with one clear line."""
+"""Structured configs of a training run and their conversion from Hydra, failing early with one clear line.
+
+The dataclasses here (and the kit's ``MLLMDataSpec`` / ``MLLMPackingSpec``) are the one home of every default. They
+are registered in Hydra's ConfigStore as schemas (``register_configs``) that the group files under ``conf/`` extend
+through their ``defaults:`` list, so a group file holds only what that group deliberately changes, and a plain
+``train.epochs=2`` (no ``+``) reaches every field. ``tests/test_config_defaults.py`` lists those changes.
+"""
 
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass, field
+import typing
+from dataclasses import dataclass, field, fields, make_dataclass
 from pathlib import Path
 
 import torch
+from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from transformers import SchedulerType
 
@@ -31,9 +40,10 @@ class ConfigError(ValueError):
 
 @dataclass
 class TrainSpec:
-    """Optimisation and bookkeeping knobs of ``conf/train/*.yaml``."""
+    """Optimisation and bookkeeping knobs of ``conf/train/*.yaml``: the defaults of every run, command line or
+    library (``conf/train/default.yaml`` only adds the Hydra run directory as ``output_dir``)."""
 
-    epochs: int = 1
+    epochs: int = 3
     micro_batch_size: int = 4
     gradient_accumulation_steps: int = 1
     learning_rate: float = 2e-3
@@ -46,7 +56,7 @@ class TrainSpec:
     pad_to_multiple_of: int | None = None
     num_workers: int = 0
     seed: int = 0
-    log_every: int = 1
+    log_every: int = 10  # optimizer steps between metric lines
     mixed_precision: str = "no"
     output_dir: str | None = None  # None: outputs/run (Hydra runs fill in their run directory)
     save_every_steps: int = 0  # 0: no periodic checkpoint (a SIGTERM still saves one)
@@ -116,6 +126,94 @@ class DemoSpec:
     videos: bool = False  # add short generated clips to the mix (a recipe whose encoder takes video sets it)
 
 
+# every linear layer of each decoder layer's attention (full or linear) and MLP
+LANGUAGE_MODEL_TARGETS = ("*language_model.layers.*_attn", "*language_model.layers.*.mlp")
+
+
+@dataclass
+class LoraSpec:
+    """``model.lora`` (``conf/model/lora/default.yaml``; the adapters themselves: ``lora.py``); ``r=0`` trains the
+    model itself. Here beside the other specs so ``register_configs`` can hold it as a schema without importing
+    peft."""
+
+    r: int = 0
+    alpha: float | None = None  # null: 2 x r
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: list(LANGUAGE_MODEL_TARGETS))
+    modules_to_save: list[str] = field(default_factory=list)  # trained in full beside the adapters (e.g. lm_head)
+    merge_on_save: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.r, int) or self.r < 0:
+            raise ConfigError(f"model.lora.r={self.r!r} is invalid: allowed an int >= 0 (0: no adapters)")
+        if self.alpha is not None and not self.alpha > 0:
+            raise ConfigError(f"model.lora.alpha={self.alpha!r} is invalid: allowed null (2 x r) or a float > 0")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"model.lora.dropout={self.dropout!r} is invalid: allowed [0, 1)")
+        for key in ("target_modules", "modules_to_save"):
+            value = getattr(self, key)
+            if isinstance(value, str) or not all(isinstance(p, str) for p in value):
+                raise ConfigError(f"model.lora.{key}={value!r} is invalid: allowed a list of module-name patterns")
+        if self.enabled and not self.target_modules:
+            raise ConfigError("model.lora.target_modules is empty: name at least one module to adapt")
+
+    @property
+    def enabled(self) -> bool:
+        return self.r > 0
+
+    def to_dict(self) -> dict:
+        return {"r": self.r, "alpha": self.lora_alpha, "dropout": self.dropout,
+                "target_modules": list(self.target_modules), "modules_to_save": list(self.modules_to_save),
+                "merge_on_save": self.merge_on_save}
+
+    @property
+    def lora_alpha(self) -> float:
+        return float(self.alpha) if self.alpha is not None else 2.0 * self.r
+
+
+@dataclass
+class ModelSpec:
+    """``model.*`` as the engine reads it, validated once (:func:`model_spec`): where the weights and tokenizer come
+    from, the seed and dtype of a fresh init, what to freeze, the LoRA adapters. ``config`` (a fresh model's sizes)
+    and ``extra`` (every other key: the family's own, e.g. pixel bounds) belong to the recipe, whose hooks still take
+    the whole ``cfg.model``."""
+
+    pretrained: str | None = None  # a save_pretrained folder (model, tokenizer, processors)
+    tokenizer_dir: str | None = None  # null: the recipe's committed tokenizer asset
+    seed: int = 0  # a fresh init's (and the LoRA adapters')
+    dtype: str = "float32"
+    freeze: list[str] = field(default_factory=list)  # module-name patterns (fnmatch)
+    lora: LoraSpec = field(default_factory=LoraSpec)
+    config: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for key in ("pretrained", "tokenizer_dir"):
+            value = getattr(self, key)
+            if value is not None and not isinstance(value, str):
+                raise ConfigError(f"model.{key}={value!r} is invalid: allowed null or a directory")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+            raise ConfigError(f"model.seed={self.seed!r} is invalid: allowed an int >= 0")
+        if not isinstance(getattr(torch, str(self.dtype), None), torch.dtype):
+            raise ConfigError(f"model.dtype={self.dtype!r} is invalid: allowed a torch dtype name (float32, "
+                              "bfloat16, float16)")
+        if isinstance(self.freeze, str) or not all(isinstance(p, str) for p in self.freeze):
+            raise ConfigError(f"model.freeze={self.freeze!r} is invalid: allowed a list of module-name patterns")
+        if not isinstance(self.config, dict):
+            raise ConfigError(f"model.config={self.config!r} is invalid: allowed a mapping")
+
+
+def model_spec(node) -> ModelSpec:
+    """The validated ``model.*`` of a composed config (a ``DictConfig`` or a plain mapping): the engine's keys, the
+    rest in ``extra``; a null ``seed`` / ``dtype`` / ``freeze`` is its default, as the builders read it."""
+    plain = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node or {})
+    lora = plain.pop("lora", None)
+    engine = [f.name for f in fields(ModelSpec) if f.name not in ("lora", "extra")]
+    given = {key: plain.pop(key) for key in engine if key in plain}
+    return ModelSpec(**{key: value for key, value in given.items() if value is not None}, extra=plain,
+                     lora=LoraSpec() if lora is None else _to_object(OmegaConf.create(lora), LoraSpec, "model.lora"))
+
+
 @dataclass
 class RunSpecs:
     """Everything a run needs, validated."""
@@ -124,12 +222,41 @@ class RunSpecs:
     demo: DemoSpec
     train: TrainSpec
     attention: str
+    model: ModelSpec = field(default_factory=ModelSpec)
+
+
+def schema_without(spec: type, *left_out: str) -> type:
+    """``spec``'s fields and defaults, less ``left_out``, as a plain dataclass for a config group's schema.
+
+    Why: ``MLLMDataSpec.packing`` is set by the top-level ``packing`` group (``+packing=greedy``, filled in by
+    ``resolve_run_specs``); a ``data.packing: null`` in every composed config would be a key nothing reads. The
+    defaults are taken from ``spec``, never written twice; values are checked when ``resolve_run_specs`` builds the
+    real spec (a schema only types the keys: OmegaConf never calls ``__post_init__`` on one)."""
+    hints = typing.get_type_hints(spec)
+    kept = [(f.name, hints[f.name], field(default=f.default, default_factory=f.default_factory))
+            for f in fields(spec) if f.name not in left_out]
+    schema = make_dataclass(f"{spec.__name__}Schema", kept)
+    schema.__module__ = __name__
+    return schema
 
 
 def register_configs() -> None:
+    """The schemas ``conf/<group>/*.yaml`` extend (``defaults: [<group>_schema, _self_]``); the kit registers
+    ``packing/packing_schema`` and ``report_config`` registers ``report/report_schema``."""
     cs = ConfigStore.instance()
     cs.store(group="train", name="train_schema", node=TrainSpec)
     cs.store(group="demo", name="demo_schema", node=DemoSpec)
+    cs.store(group="data", name="data_schema", node=schema_without(MLLMDataSpec, "packing"))
+    cs.store(group="model/lora", name="lora_schema", node=LoraSpec)
+
+
+def compose_config(config_name: str, overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
+    """The config a ``python -m recipes.<name>.train <overrides>`` run would see (no Hydra run dir), for tools,
+    tests and notebooks that compose without ``hydra.main``."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name=config_name, overrides=list(overrides), return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    return cfg
 
 
 def check_attention(name: str, supported: tuple[str, ...], training: bool = True) -> None:
@@ -147,6 +274,11 @@ def check_attention(name: str, supported: tuple[str, ...], training: bool = True
     elif backend.needs_cuda and training and not torch.cuda.is_available():
         raise ConfigError(f"attention.implementation={name!r} needs a CUDA GPU to train: torch's FlexAttention has no "
                           "CPU backward (forward-only checks run on CPU)")
+
+
+def backward_available(backend: str) -> bool:
+    """torch's FlexAttention has no CPU backward; everything else differentiates anywhere it runs."""
+    return not BACKENDS[backend].needs_cuda or torch.cuda.is_available()
 
 
 def resolve_attention(name: str, supported: tuple[str, ...], packed: bool) -> str:
@@ -212,7 +344,7 @@ def resolve_run_specs(cfg: DictConfig, supported_attention: tuple[str, ...]) -> 
     train = _to_object(cfg.train, TrainSpec, "train")
     attention = resolve_attention(str(cfg.attention.implementation), supported_attention, packed=packing is not None)
     check_attention(attention, supported_attention)
-    return RunSpecs(data=data, demo=demo, train=train, attention=attention)
+    return RunSpecs(data=data, demo=demo, train=train, attention=attention, model=model_spec(cfg.get("model")))
 
 
 register_configs()

@@ -10,6 +10,7 @@ on the world size or on the micro-batch.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,7 @@ from accelerate.utils import gather_object, send_to_device
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from mvp_engine.kit.mllm.data import MLLMDataKit, MLLMSampleEncoder, RecordLedger
+from mvp_engine.kit.mllm.data import BadRecord, MLLMDataKit, MLLMSampleEncoder, RecordLedger
 
 from .config import RunSpecs
 from .context_parallel import ParallelLayout
@@ -35,6 +36,18 @@ class EvalSet:
     name: str
     dataset: object  # MLLMPackedDataset | MLLMStreamingPackedDataset
 
+    def check_bad_records(self, found_decoding: Iterable[dict] = ()) -> None:
+        """``data.on_bad_record`` and ``data.max_bad_fraction`` over this source alone: its bad records (found
+        measuring it, and ``found_decoding``, each counted once however often it is evaluated) of its records read.
+        Each eval source is held to the fraction on its own, as the training sources are together, rather than
+        pooled with them: its loss is reported on its own, and a small held-out set mostly bad must not hide behind
+        a large training set (nor fail a run for the training data's faults). Stops with one line naming the
+        source."""
+        report = self.dataset.bad_records
+        for bad in found_decoding:
+            report.add(BadRecord(**{key: value for key, value in bad.items() if key != "source"}))
+        report.check(None, scope=f"data.eval_sources: {self.name}")
+
 
 def build_eval_sets(specs: RunSpecs, encoder: MLLMSampleEncoder, rank: int, world_size: int) -> list[EvalSet]:
     """Every ``data.eval_sources`` entry as a dataset of its own, planned now (measuring every record, so a bad
@@ -44,7 +57,9 @@ def build_eval_sets(specs: RunSpecs, encoder: MLLMSampleEncoder, rank: int, worl
         dataset = MLLMDataKit.build_dataset(specs.data.eval_spec(source), encoder, rank=rank, world_size=world_size,
                                             micro_batch_size=specs.train.micro_batch_size)
         dataset.plan(0)
-        sets.append(EvalSet(source.name, dataset))
+        eval_set = EvalSet(source.name, dataset)
+        eval_set.check_bad_records()
+        sets.append(eval_set)
     return sets
 
 
@@ -80,7 +95,7 @@ class Evaluator:
         loaders = [self._loader(s) for s in self.sets]
         # per source: weighted loss sum, supervised tokens, samples, packs (rows holding a sample)
         sums = torch.zeros(len(self.sets), 4, dtype=torch.float64)
-        faults: list[Counter] = [Counter() for _ in self.sets]
+        found: list[list[dict]] = [[] for _ in self.sets]  # bad records found decoding, per source
         counts_rows = self.layout.counts_rows
         was_training = model.training
         model.eval()
@@ -92,7 +107,7 @@ class Evaluator:
                     for batch in loader:
                         bad = batch.pop("bad_records", ())
                         if counts_rows:
-                            faults[index].update(b["reason"] for b in bad)
+                            found[index].extend(bad)
                         batch = send_to_device(batch, accelerator.device)
                         with accelerator.autocast():
                             outputs, _ = self.step.forward(model, batch)
@@ -108,8 +123,11 @@ class Evaluator:
             bar.close()
             model.train(was_training)
         sums = accelerator.reduce(sums.to(accelerator.device), reduction="sum").cpu()
-        every_rank = gather_object([faults]) if accelerator.num_processes > 1 else [faults]
-        faults = [sum((rank[index] for rank in every_rank), Counter()) for index in range(len(self.sets))]
+        every_rank = gather_object([found]) if accelerator.num_processes > 1 else [found]
+        found = [[bad for rank in every_rank for bad in rank[index]] for index in range(len(self.sets))]
+        for eval_set, bad in zip(self.sets, found):
+            eval_set.check_bad_records(bad)  # the same verdict on every rank: all stop together
+        faults = [Counter(bad["reason"] for bad in source) for source in found]
         return self._metrics(sums), self._records(sums, faults)
 
     def _metrics(self, sums: torch.Tensor) -> dict:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -30,51 +29,10 @@ from peft import LoraConfig, get_peft_model
 from peft.utils import ModulesToSaveWrapper
 
 from .builders import pretrained_without_weights, to_plain
-from .config import ConfigError, _to_object
+from .config import ConfigError, LoraSpec, _to_object
 from .participation import _matches
 
-# every linear layer of each decoder layer's attention (full or linear) and MLP
-LANGUAGE_MODEL_TARGETS = ("*language_model.layers.*_attn", "*language_model.layers.*.mlp")
 MERGED = "merged"  # model/merged: the merged save_pretrained model
-
-
-@dataclass
-class LoraSpec:
-    """``model.lora`` (``conf/model/lora/default.yaml``); ``r=0`` trains the model itself."""
-
-    r: int = 0
-    alpha: float | None = None  # null: 2 x r
-    dropout: float = 0.0
-    target_modules: list[str] = field(default_factory=lambda: list(LANGUAGE_MODEL_TARGETS))
-    modules_to_save: list[str] = field(default_factory=list)  # trained in full beside the adapters (e.g. lm_head)
-    merge_on_save: bool = False
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.r, int) or self.r < 0:
-            raise ConfigError(f"model.lora.r={self.r!r} is invalid: allowed an int >= 0 (0: no adapters)")
-        if self.alpha is not None and not self.alpha > 0:
-            raise ConfigError(f"model.lora.alpha={self.alpha!r} is invalid: allowed null (2 x r) or a float > 0")
-        if not 0 <= self.dropout < 1:
-            raise ConfigError(f"model.lora.dropout={self.dropout!r} is invalid: allowed [0, 1)")
-        for key in ("target_modules", "modules_to_save"):
-            value = getattr(self, key)
-            if isinstance(value, str) or not all(isinstance(p, str) for p in value):
-                raise ConfigError(f"model.lora.{key}={value!r} is invalid: allowed a list of module-name patterns")
-        if self.enabled and not self.target_modules:
-            raise ConfigError("model.lora.target_modules is empty: name at least one module to adapt")
-
-    @property
-    def enabled(self) -> bool:
-        return self.r > 0
-
-    def to_dict(self) -> dict:
-        return {"r": self.r, "alpha": self.lora_alpha, "dropout": self.dropout,
-                "target_modules": list(self.target_modules), "modules_to_save": list(self.modules_to_save),
-                "merge_on_save": self.merge_on_save}
-
-    @property
-    def lora_alpha(self) -> float:
-        return float(self.alpha) if self.alpha is not None else 2.0 * self.r
 
 
 def lora_spec(model_cfg) -> LoraSpec:

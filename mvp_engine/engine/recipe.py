@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from operator import attrgetter
 from types import ModuleType
 from typing import Any
 
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from mvp_engine.kit.mllm.data import MLLMSampleEncoder
@@ -66,3 +68,22 @@ class Recipe:
             attention_backends=tuple(packed.ATTENTION_BACKENDS),
             cost_profile=getattr(model, "cost_profile", None),
         )
+
+
+def load_recipe(name: str) -> Recipe:
+    """The ``RECIPE`` of ``recipes/<name>/train.py``, imported by name at call time: recipes sit above the engine,
+    so the engine names none of them in its imports (``get_recipe`` is the same function)."""
+    return importlib.import_module(f"recipes.{name}.train").RECIPE
+
+
+get_recipe = load_recipe
+
+
+def recipe_name(cfg: DictConfig, chosen: str | None = None) -> str:
+    """The recipe a composed config is for: ``chosen`` (a tool's own setting, e.g. ``report.recipe``), else the
+    primary config's name (``--config-name``: ``conf/<recipe>.yaml``), else ``model.name``."""
+    if chosen:
+        return chosen
+    if HydraConfig.initialized() and HydraConfig.get().job.config_name:
+        return str(HydraConfig.get().job.config_name)
+    return str(cfg.model.name)

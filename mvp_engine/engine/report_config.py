@@ -1,7 +1,8 @@
 """What a report or a step estimate plans: the ``report.*`` settings, the world size and the recipe to plan for.
 
-Settings of the tools live under ``report.*`` (``conf/report/default.yaml``); they are not in the recipes'
-defaults, so a command line sets them with ``+report.KEY=VALUE`` and the rest keep the file's values.
+Settings of the tools live under ``report.*`` (``ReportSpec``, the one home of their defaults); they are not in the
+recipes' defaults, so a command line sets them with ``+report.KEY=VALUE`` and the rest keep ``ReportSpec``'s values
+(``+report=default`` composes them all: ``conf/report/default.yaml`` extends ``report/report_schema``).
 """
 
 from __future__ import annotations
@@ -9,19 +10,17 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from hydra.core.hydra_config import HydraConfig
+from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from .config import CONF_DIR, ConfigError
+from .config import ConfigError
+from .recipe import load_recipe, recipe_name
 from .run_data import Planning, planning_dataset
-from .testkit.structure import load_recipe
-
-REPORT_DEFAULTS = CONF_DIR / "report" / "default.yaml"
 
 
 @dataclass
 class ReportSpec:
-    """The ``report.*`` keys (defaults in ``conf/report/default.yaml``)."""
+    """The ``report.*`` keys and their defaults."""
 
     out_dir: str | None = None
     epoch: int = 0
@@ -41,12 +40,16 @@ class ReportSpec:
             raise ConfigError(f"report.balance_ranks={self.balance_ranks!r} is invalid: allowed null or an int >= 1")
 
 
+# the schema conf/report/default.yaml extends (+report=default)
+ConfigStore.instance().store(group="report", name="report_schema", node=ReportSpec)
+
+
 def report_spec(cfg: DictConfig) -> ReportSpec:
-    """``conf/report/default.yaml`` overlaid with whatever ``report.*`` the command line added."""
+    """``ReportSpec``'s defaults overlaid with whatever ``report.*`` the command line added."""
     node = cfg.get("report")
     given = {} if node is None else OmegaConf.to_container(node, resolve=True)
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(ReportSpec), OmegaConf.load(REPORT_DEFAULTS), given)
+        merged = OmegaConf.merge(OmegaConf.structured(ReportSpec), given)
         return OmegaConf.to_object(merged)
     except ConfigError:
         raise
@@ -64,15 +67,6 @@ def resolve_world_size(spec: ReportSpec) -> int:
     return int(raw)
 
 
-def recipe_name(cfg: DictConfig, spec: ReportSpec) -> str:
-    """``report.recipe``, else the primary config's name (``--config-name``), which names the recipe."""
-    if spec.recipe:
-        return spec.recipe
-    if HydraConfig.initialized() and HydraConfig.get().job.config_name:
-        return str(HydraConfig.get().job.config_name)
-    return str(cfg.model.name)
-
-
 def planned_run(cfg: DictConfig, spec: ReportSpec) -> Planning:
     """The dataset of the run ``cfg`` describes, for ``spec``'s recipe and world size (rank 0)."""
-    return planning_dataset(cfg, load_recipe(recipe_name(cfg, spec)), resolve_world_size(spec))
+    return planning_dataset(cfg, load_recipe(recipe_name(cfg, spec.recipe)), resolve_world_size(spec))

@@ -58,16 +58,20 @@ class NextFitAssembler(MLLMPackingAssembler):
 
 
 def check_packing_knobs(run: RecipeRun) -> tuple[bool, str]:
-    """A yaml key the spec lacks would be rejected or ignored, a field no yaml sets falls back to a dataclass
-    default nobody sees in the config: both make a knob mean something other than what the config says."""
+    """A yaml key the spec lacks would be rejected or ignored, and a group file that does not extend
+    ``packing_schema`` leaves the fields it does not write out of the composed config (unreachable without a ``+``):
+    both make a knob mean something other than what the config says. The defaults themselves live in the dataclass;
+    each file writes only what its group changes (``tests/test_config_defaults.py`` lists those)."""
     fields = [f.name for f in dataclasses.fields(MLLMPackingSpec)]
     problems, parts = [], []
     for path in sorted((CONF_DIR / "packing").glob("*.yaml")):
-        keys = set(OmegaConf.to_container(OmegaConf.load(path)) or {}) - {"defaults"}
-        unknown, unset = sorted(keys - set(fields)), sorted(set(fields) - keys)
-        parts.append(f"{path.name} {len(fields) - len(unset)}/{len(fields)} set, {len(unknown)} unknown")
-        if unknown or unset:
-            problems.append(f"{path.name}: unknown {unknown}, unset {unset}")
+        node = OmegaConf.to_container(OmegaConf.load(path)) or {}
+        keys = set(node) - {"defaults"}
+        unknown, schema = sorted(keys - set(fields)), "packing_schema" in node.get("defaults", [])
+        parts.append(f"{path.name} {'extends' if schema else 'does NOT extend'} packing_schema, sets {len(keys)}, "
+                     f"{len(unknown)} unknown")
+        if unknown or not schema:
+            problems.append(f"{path.name}: unknown {unknown}" + ("" if schema else ", no packing_schema in defaults"))
     composed = OmegaConf.to_container(run.cfg.packing, resolve=True)
     same = [f for f in fields if composed.get(f) == getattr(run.packing, f)]
     if len(same) != len(fields):

@@ -5,34 +5,18 @@ from __future__ import annotations
 import importlib
 import inspect
 
-import torch
-from hydra import compose, initialize_config_dir
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
-
 from mvp_engine.kit.mllm.data import MLLMSampleEncoder
-from mvp_engine.packing import ATTENTION_BACKENDS, BACKENDS, is_flash
+from mvp_engine.packing import ATTENTION_BACKENDS, is_flash
 
-from ..config import CONF_DIR, check_attention, resolve_run_specs
-from ..recipe import Recipe
+from ..config import backward_available as backward_available  # re-exported: these three live in the engine,
+from ..config import check_attention, compose_config, resolve_run_specs  # where tools import them from
+from ..recipe import Recipe, load_recipe
 
 PACKINGS = (None, "greedy", "bfd")
 
 
-def compose_config(config_name: str, overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
-    """The config a ``python -m recipes.<name>.train <overrides>`` run would see (no Hydra run dir)."""
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name=config_name, overrides=list(overrides), return_hydra_config=True)
-    HydraConfig.instance().set_config(cfg)
-    return cfg
-
-
 def packing_overrides(packing: str | None) -> list[str]:
     return [] if packing is None else [f"+packing={packing}"]
-
-
-def load_recipe(name: str) -> Recipe:
-    return importlib.import_module(f"recipes.{name}.train").RECIPE
 
 
 def check_structure(name: str) -> None:
@@ -65,11 +49,6 @@ def forward_backends(recipe: Recipe) -> list[str]:
     """The recipe's backends whose forward this machine runs in fp32 (flash needs CUDA and half precision, so it
     is never one of these: its kwargs are checked on CPU by ``check_flash_kwargs_with_reference_attention``)."""
     return [b for b in runnable_backends(recipe, training=False) if not is_flash(b)]
-
-
-def backward_available(backend: str) -> bool:
-    """torch's FlexAttention has no CPU backward; everything else differentiates anywhere it runs."""
-    return not BACKENDS[backend].needs_cuda or torch.cuda.is_available()
 
 
 def check_all_combinations_compose(name: str) -> int:

@@ -79,16 +79,20 @@ class BadRecordReport:
     def fraction(self) -> float:
         return self.count / self.records_read if self.records_read else 0.0
 
-    def check(self, report_path: Path | str) -> None:
-        """Stop (one line) when the bad fraction exceeds the limit, or on any bad record under ``error``."""
-        if self.count and self.policy == "error":
-            first = next(iter(self.records.values()))
-            raise TooManyBadRecords(f"data.on_bad_record=error: {first.message} ({first.reason})")
+    def check(self, report_path: Path | str | None, scope: str = "") -> None:
+        """Stop (one line, starting with ``scope``: which data it is about) when the bad fraction exceeds the limit,
+        or on any bad record under ``error``. The line points to ``report_path``, the file listing them all, or
+        without one names the first bad record."""
+        first = next(iter(self.records.values()), None)
+        prefix = f"{scope}: " if scope else ""
+        if first is not None and self.policy == "error":
+            raise TooManyBadRecords(f"{prefix}data.on_bad_record=error: {first.message} ({first.reason})")
         if self.fraction() > self.max_fraction:
+            listed = f"every one is listed in {report_path}" if report_path else f"the first: {first.message}"
             raise TooManyBadRecords(
-                f"{self.count} of {self.records_read} records are bad ({self.fraction():.1%} > "
-                f"data.max_bad_fraction={self.max_fraction}): by reason {dict(self.counts().most_common())}; every "
-                f"one is listed in {report_path}; fix them or raise data.max_bad_fraction")
+                f"{prefix}{self.count} of {self.records_read} records are bad ({self.fraction():.1%} > "
+                f"data.max_bad_fraction={self.max_fraction}): by reason {dict(self.counts().most_common())}; "
+                f"{listed}; fix them or raise data.max_bad_fraction")
 
     def write(self, path: Path | str) -> None:
         with open(path, "w") as handle:
