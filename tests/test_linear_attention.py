@@ -25,6 +25,7 @@ from mvp_engine.packing.linear_attention import _MARK, CHUNK_RULE, CONV, _varlen
 from .test_attention_helpers import segment_ids_from_lengths
 
 TOL = 1e-5
+LAYERS = (qwen3_5.Qwen3_5GatedDeltaNet,)  # what recipes/qwen3_5 declares boundary-aware
 LENGTHS = [[3, 70, 1, 20], [66, 30]]  # a sample over one chunk (64), a 1-token one, two rows of 94 and 96 tokens
 
 
@@ -124,15 +125,15 @@ def test_install_is_idempotent_and_scoped(monkeypatch):
     next_before = {name: getattr(qwen3_next, name) for name in (CONV, CHUNK_RULE)}
     model = _tiny_text_model()
     assert has_linear_attention(model) and not linear_attention_enabled(model)
-    enable_linear_attention_packing(model)
+    enable_linear_attention_packing(model, LAYERS)
     installed = {name: getattr(qwen3_5, name) for name in (CONV, CHUNK_RULE)}
     assert all(getattr(f, _MARK) for f in installed.values()) and linear_attention_enabled(model)
-    enable_linear_attention_packing(model)  # a second call (a second model) wraps nothing twice
+    enable_linear_attention_packing(model, LAYERS)  # a second call (a second model) wraps nothing twice
     assert {name: getattr(qwen3_5, name) for name in (CONV, CHUNK_RULE)} == installed
     assert installed[CONV].__wrapped__ is _original(qwen3_5, CONV)
     # a model without linear-attention layers is left alone, and so is every other model family's module
     plain = _tiny_text_model(layer_types=["full_attention", "full_attention"])
-    assert not has_linear_attention(plain) and enable_linear_attention_packing(plain) is plain
+    assert not has_linear_attention(plain) and enable_linear_attention_packing(plain, LAYERS) is plain
     assert {name: getattr(qwen3_next, name) for name in (CONV, CHUNK_RULE)} == next_before
 
 
@@ -151,7 +152,7 @@ def test_guard_refuses_a_model_whose_linear_layers_ignore_boundaries(monkeypatch
 
 
 def test_guard_refuses_a_packed_forward_without_boundaries():
-    model = enable_linear_attention_packing(_tiny_text_model())
+    model = enable_linear_attention_packing(_tiny_text_model(), LAYERS)
     batch = _packed_batch()
     kwargs = prepare_packed_inputs(batch, model, "sdpa", position_ids=text_positions(batch), position_rows=1,
                                    media={})
@@ -172,8 +173,9 @@ def test_an_unknown_linear_attention_layer_is_refused():
         pass
 
     model.model.layers[0].linear_attn = OtherGatedDeltaNet()
-    with pytest.raises(NotImplementedError, match="OtherGatedDeltaNet"):
-        enable_linear_attention_packing(model)
+    with pytest.raises(NotImplementedError, match=r"lists 1 linear-attention layers, 0 of them of the classes declared "
+                                                  r"boundary-aware \(\['Qwen3_5GatedDeltaNet'\]\)"):
+        enable_linear_attention_packing(model, LAYERS)
 
 
 def test_a_replaced_linear_attention_forward_is_refused():
@@ -183,4 +185,4 @@ def test_a_replaced_linear_attention_forward_is_refused():
     layer = model.model.layers[0].linear_attn
     layer.forward = lambda *args, **kwargs: None
     with pytest.raises(NotImplementedError, match="replaced forward"):
-        enable_linear_attention_packing(model)
+        enable_linear_attention_packing(model, LAYERS)

@@ -11,7 +11,8 @@ packs per rank -> micro-batches per rank -> optimizer steps (a short last accumu
     python tools/estimate_steps.py +packing=bfd +report.world_size=8 train.drop_last=true
     WORLD_SIZE=8 python tools/estimate_steps.py +packing=greedy     # as under torchrun / accelerate launch
 
-World size: ``report.world_size`` (``conf/report/default.yaml``), else ``$WORLD_SIZE``, else 1.
+World size: ``report.world_size`` (``ReportSpec`` in ``mvp_engine/engine/report_config.py``), else ``$WORLD_SIZE``,
+else 1.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ Printed (and written to ``report.json`` next to ``pack_report.png``, three histo
 bound ceil(sum of admitted lengths / max_seq_len), fill, samples and media per pack, drops by reason, padding
 ratio and attention work (sum of segment^2 against rows x width^2) at the configured micro-batch, cost per pack and
 per rank with the per-step imbalance under ``packing.balance`` none and compute, and the optimizer steps the run
-will take. Settings: ``+report.KEY=VALUE`` (``conf/report/default.yaml``).
+will take. Settings: ``+report.KEY=VALUE`` (``ReportSpec``, ``mvp_engine/engine/report_config.py``).
 """
 
 from __future__ import annotations

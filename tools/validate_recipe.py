@@ -19,8 +19,9 @@ composed config, after the testkit's small defaults (``DEFAULT_OVERRIDES``: a 32
 
 Soft checks (in process):
 
-- ``packing-knobs``: every key of every ``conf/packing/*.yaml`` is a field of ``MLLMPackingSpec`` and every field is
-  set in each yaml; the composed ``packing`` node reaches the spec value for value.
+- ``packing-knobs``: every key of every ``conf/packing/*.yaml`` is a field of ``MLLMPackingSpec`` and each yaml
+  extends ``packing_schema`` (the dataclass holds the defaults); the composed ``packing`` node reaches the spec value
+  for value.
 - ``custom-assembler``: ``MLLMPackingSpec(assembler_cls="mvp_engine.engine.testkit.data_checks.NextFitAssembler")``
   plans the recipe's real demo metadata with that class (next-fit boundaries verified, drops equal the built-in's).
 - ``pack-fields``: the first packs the dataset serves carry ``pack_segment_ids`` and ``source_sample_num`` that

@@ -26,6 +26,11 @@ after it (:func:`enable_linear_attention_packing` and ``cu_seq_lens_q`` from ``p
 all three (``recipes/qwen3_5/tests``; tolerance 1e-5). With transformers' default decay init (rates up to 16: the
 state forgets within a token or two) the leak was 7.5e-2 on random tokens, almost all of it the conv window.
 
+Which layer classes are safe to wrap is the recipe's to declare (``enable_linear_attention_packing(model,
+layer_classes)``: classes whose forward it read and found calling exactly these two module functions); this module
+names no model. A model whose config lists a linear-attention layer that is not of a declared class is refused, so
+an unread layer never packs silently.
+
 The fix replaces those two module-level names, in the modeling module of each linear-attention layer class the
 model holds and nowhere else, by wrappers that run transformers' own torch reference per sample when boundaries are
 given (``cu_seq_lens_q`` / ``cu_seqlens`` over the flattened B*L tokens, as flash takes them) and call the original
@@ -48,7 +53,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from types import ModuleType
 from typing import Any
 
@@ -62,35 +67,39 @@ LINEAR_ATTENTION = "linear_attention"  # the layer_types entry of a linear-atten
 BOUNDARIES = "cu_seq_lens_q"  # the kwarg the model hands its linear-attention layers (over the flattened B*L tokens)
 CONV = "causal_conv1d_fn"
 CHUNK_RULE = "torch_chunk_gated_delta_rule"
-# Linear-attention layer classes whose forward was read and calls exactly CONV and CHUNK_RULE as module globals
-# (transformers 5.24). Qwen3.5 is tested (recipes/qwen3_5); the other two are the same generated code.
-SUPPORTED_LAYERS = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet")
 _MARK = "_packs_by_boundaries"  # set on our wrappers: the install is idempotent and the guard can see it
+_DECLARED = "_linear_attention_classes"  # set on the model by the install: the classes its recipe declared
 
 
-def linear_attention_layers(model) -> list[torch.nn.Module]:
-    """The model's linear-attention (Gated DeltaNet) layer modules; empty for a model without any."""
-    return [m for m in unwrap_model(model).modules() if type(m).__name__.endswith("GatedDeltaNet")]
+def linear_attention_layers(model, layer_classes: Collection[type]) -> list[torch.nn.Module]:
+    """The model's modules of exactly ``layer_classes`` (a subclass may run a forward nobody read)."""
+    return [m for m in unwrap_model(model).modules() if type(m) in tuple(layer_classes)]
+
+
+def _linear_layer_count(model) -> int:
+    """Linear-attention layers the model's config lists (its own ``layer_types`` or its text config's)."""
+    config = unwrap_model(model).config
+    return max(list(getattr(cfg, "layer_types", None) or ()).count(LINEAR_ATTENTION)
+               for cfg in (config, getattr(config, "text_config", None)))
 
 
 def has_linear_attention(model) -> bool:
-    """True when any config of the model lists a ``linear_attention`` layer or it holds a Gated DeltaNet module."""
-    config = unwrap_model(model).config
-    for cfg in (config, getattr(config, "text_config", None)):
-        if LINEAR_ATTENTION in (getattr(cfg, "layer_types", None) or ()):
-            return True
-    return bool(linear_attention_layers(model))
+    """True when a config of the model lists a ``linear_attention`` layer."""
+    return _linear_layer_count(model) > 0
 
 
-def _modules_of(model) -> dict[str, ModuleType]:
-    """Layer class name -> its modeling module, refusing a linear-attention layer whose code was not checked."""
+def _modules_of(model, layer_classes: Collection[type]) -> dict[str, ModuleType]:
+    """Layer class name -> its modeling module, refusing a model with a linear-attention layer of a class its recipe
+    did not declare, or one whose forward was replaced."""
+    layers, listed = linear_attention_layers(model, layer_classes), _linear_layer_count(model)
+    if len(layers) != listed:
+        raise NotImplementedError(
+            f"{type(unwrap_model(model)).__name__} lists {listed} linear-attention layers, {len(layers)} of them of "
+            f"the classes declared boundary-aware ({sorted(c.__name__ for c in layer_classes)}): the others would "
+            "carry their recurrent state and conv window from one packed sample into the next")
     out = {}
-    for layer in linear_attention_layers(model):
+    for layer in layers:
         name = type(layer).__name__
-        if name not in SUPPORTED_LAYERS:
-            raise NotImplementedError(
-                f"{name}: no boundary-aware linear attention is known for this layer, so packed samples would share "
-                f"its recurrent state and conv window (supported: {list(SUPPORTED_LAYERS)})")
         module = sys.modules[type(layer).__module__]
         forward = getattr(type(layer), "forward", None)
         if "forward" in vars(layer) or getattr(forward, "__module__", None) != module.__name__:
@@ -210,10 +219,12 @@ def _varlen_chunk_rule(original: Callable) -> Callable:
 _WRAPPERS = {CONV: _varlen_conv1d, CHUNK_RULE: _varlen_chunk_rule}
 
 
-def enable_linear_attention_packing(model):
-    """Make the model's linear-attention layers keep packed samples apart when given ``cu_seq_lens_q`` (see the
+def enable_linear_attention_packing(model, layer_classes: Collection[type]):
+    """Make the model's linear-attention layers, all of ``layer_classes`` (the recipe's: classes whose forward calls
+    exactly the two module functions wrapped here), keep packed samples apart when given ``cu_seq_lens_q`` (see the
     module doc); idempotent, a no-op for a model without linear-attention layers. Returns the model."""
-    for layer_name, module in _modules_of(model).items():
+    layer_classes = tuple(layer_classes)
+    for layer_name, module in _modules_of(model, layer_classes).items():
         for name, wrap in _WRAPPERS.items():
             current = getattr(module, name, None)
             if current is None:
@@ -221,13 +232,18 @@ def enable_linear_attention_packing(model):
                                           "packed samples start")
             if not getattr(current, _MARK, False):
                 setattr(module, name, wrap(current))
+    setattr(unwrap_model(model), _DECLARED, layer_classes)
     return model
 
 
 def linear_attention_enabled(model) -> bool:
-    """Every linear-attention layer's module runs the boundary-aware wrappers."""
+    """Every linear-attention layer's module runs the boundary-aware wrappers (the layers of the classes
+    :func:`enable_linear_attention_packing` was given for this model; none were: only a model without any)."""
+    declared = getattr(unwrap_model(model), _DECLARED, None)
+    if declared is None:
+        return not has_linear_attention(model)
     return all(getattr(getattr(module, name, None), _MARK, False)
-               for module in _modules_of(model).values() for name in _WRAPPERS)
+               for module in _modules_of(model, declared).values() for name in _WRAPPERS)
 
 
 def ensure_linear_attention_boundaries(model, kwargs: Mapping[str, Any]) -> None:
@@ -239,7 +255,7 @@ def ensure_linear_attention_boundaries(model, kwargs: Mapping[str, Any]) -> None
         raise ValueError(
             "this model's linear-attention layers ignore packed-sample boundaries in transformers 5.24 (their state "
             "and conv window would run from one sample into the next): call "
-            "mvp_engine.packing.enable_linear_attention_packing(model) after building it")
+            "mvp_engine.packing.enable_linear_attention_packing(model, layer_classes) after building it")
     bounds = kwargs.get(BOUNDARIES)
     if bounds is None:
         raise ValueError(f"packed forward of a model with linear-attention layers needs {BOUNDARIES} (the samples' "

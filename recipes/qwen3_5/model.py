@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
 from mvp_engine.engine.builders import to_plain
 from mvp_engine.packing import enable_linear_attention_packing
@@ -41,6 +42,9 @@ DEFAULT_VIDEO = Qwen3VideoProcessor(min_pixels=32 * 32 * 2 * 4, max_pixels=32 * 
                                     max_frames=16)
 IMAGE_SETTINGS = {"patch_size": 16, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
                   "image_std": [0.5, 0.5, 0.5]}  # Qwen3.5's preprocessor_config.json
+# The linear-attention layer classes made boundary-aware: Gated DeltaNet's forward (transformers 5.24, read) calls
+# exactly the module's causal_conv1d_fn and torch_chunk_gated_delta_rule, which the packing layer wraps.
+LINEAR_ATTENTION_LAYERS = (Qwen3_5GatedDeltaNet,)
 
 
 def build_processor(model_cfg: Mapping | None = None) -> QwenProcessorBundle:
@@ -69,9 +73,9 @@ def build_model(model_cfg: Mapping | None, attn_implementation: str = "sdpa") ->
         low, high = cfg["linear_decay_init"]
         generator = torch.Generator().manual_seed(int(cfg.get("seed") or 0))
         with torch.no_grad():
-            for layer in linear_attention_layers(model):
+            for layer in linear_attention_layers(model, LINEAR_ATTENTION_LAYERS):
                 layer.A_log.copy_(torch.empty(layer.A_log.shape).uniform_(low, high, generator=generator).log())
-    return enable_linear_attention_packing(model)
+    return enable_linear_attention_packing(model, LINEAR_ATTENTION_LAYERS)
 
 
 dummy_media = qwen_dummy_media
