@@ -1,6 +1,7 @@
 """Shared test setup: ``gpu`` tests skip cleanly on machines without CUDA, and every test session measures into its
 own cache folder (so do the processes tests launch, which inherit the environment): a user's
-``~/.cache/vlm_packing`` is never read or written by the tests."""
+``~/.cache/vlm_packing`` is never read or written by the tests. The session ends with how many trainings ran and
+how (launched interpreters, pooled multi-rank runs, in-process runs): the suite's cost is counted, not guessed."""
 
 import os
 import tempfile
@@ -18,3 +19,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def pytest_terminal_summary(terminalreporter):
+    from mvp_engine.engine.testkit.launch import RUN_COUNTS
+
+    counts = ", ".join(f"{how} {RUN_COUNTS[how]}" for how in ("launched", "pooled", "spawned", "in-process"))
+    terminalreporter.write_line(f"trainings: {counts}")

@@ -42,7 +42,7 @@ def read_report(path: Path) -> dict[str, dict]:
 
 def test_a_third_broken_stops_under_the_defaults_with_one_line(messy, tmp_path):
     data, expected = messy
-    result = kit.launch(RECIPE, tmp_path, overrides(data), check=False)
+    result = kit.train(RECIPE, tmp_path, overrides(data), check=False)
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
     known = {origin: reason for origin, reason in expected.items() if reason not in DECODE_STAGE}
@@ -121,8 +121,8 @@ def corrupt_overrides(data: Path, *extra: str) -> list[str]:
 @pytest.mark.slow
 def test_a_corrupt_body_mid_epoch_on_two_ranks_is_left_out_and_the_ranks_stay_in_step(one_corrupt, tmp_path):
     # DataLoader workers decode here: the fault travels to the trainer inside the batch
-    kit.launch(RECIPE, tmp_path, corrupt_overrides(one_corrupt, "data.max_bad_fraction=0.5", "train.num_workers=2"),
-               nproc=2)
+    kit.train(RECIPE, tmp_path, corrupt_overrides(one_corrupt, "data.max_bad_fraction=0.5", "train.num_workers=2"),
+             nproc=2)
     summary = kit.read_summary(tmp_path)
     assert summary["steps_per_rank_this_session"] == [summary["estimated_steps"]] * 2
     [ledger] = summary["epochs"]
@@ -133,8 +133,8 @@ def test_a_corrupt_body_mid_epoch_on_two_ranks_is_left_out_and_the_ranks_stay_in
 
 @pytest.mark.slow
 def test_under_error_a_corrupt_body_stops_both_ranks_together_with_one_line(one_corrupt, tmp_path):
-    result = kit.launch(RECIPE, tmp_path, corrupt_overrides(one_corrupt, "data.on_bad_record=error"), nproc=2,
-                        timeout=240, check=False)
+    result = kit.train(RECIPE, tmp_path, corrupt_overrides(one_corrupt, "data.on_bad_record=error"), nproc=2,
+                      timeout=240, check=False)
     assert result.returncode != 0
     # (rank 0's line may follow its progress bar on the same terminal line)
     stops = [line for line in result.stderr.splitlines() if "data error: data.on_bad_record=error" in line]

@@ -48,8 +48,8 @@ def references(data, tmp_path_factory):
         key = (nproc, accumulation, sharding, packing)
         if key not in made:
             run_dir = tmp_path_factory.mktemp(f"reference_{nproc}x{accumulation}_{sharding}_{packing}")
-            kit.launch(RECIPE, run_dir, [*common(data, packing, accumulation, sharding), "train.save_every_steps=1"],
-                       nproc=nproc)
+            kit.train(RECIPE, run_dir, [*common(data, packing, accumulation, sharding), "train.save_every_steps=1"],
+                     nproc=nproc)
             made[key] = run_dir
         return made[key]
 
@@ -77,8 +77,8 @@ def test_a_checkpoint_resumes_on_another_world_size_with_the_same_global_batch(r
     step = first_epoch[len(first_epoch) // 2]
     checkpoint = reference / CHECKPOINTS / f"step_{step:08d}"
     assert load_run_state(checkpoint).epoch_steps_done == step
-    kit.launch(RECIPE, tmp_path, [*common(data, packing, *resumed[1:]), f"train.resume_from={checkpoint}"],
-               nproc=resumed[0])
+    kit.train(RECIPE, tmp_path, [*common(data, packing, *resumed[1:]), f"train.resume_from={checkpoint}"],
+             nproc=resumed[0])
     assert_same_training(kit.read_metrics(tmp_path), expected[step:])
     summary = kit.read_summary(tmp_path)
     assert summary["world_size"] == resumed[0] and summary["resumed_from"] == str(checkpoint)
@@ -129,8 +129,8 @@ def test_a_two_rank_checkpoint_is_dcp_metadata_and_one_distcp_file_per_rank(refe
 def test_a_resume_that_changes_what_is_trained_is_refused_with_one_line(references, data, tmp_path, overrides,
                                                                         named):
     checkpoint = references(2, 1, "none", "greedy") / CHECKPOINTS / "step_00000002"
-    result = kit.launch(RECIPE, tmp_path, [*common(data, "greedy", 1), f"train.resume_from={checkpoint}",
-                                           *overrides], check=False)
+    result = kit.train(RECIPE, tmp_path, [*common(data, "greedy", 1), f"train.resume_from={checkpoint}",
+                                          *overrides], check=False)
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("config error: train.resume_from:") and named in last, result.stderr[-3000:]

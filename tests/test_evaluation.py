@@ -166,9 +166,9 @@ def test_two_context_parallel_ranks_evaluate_what_one_process_does(reference, da
     one = stand_alone(reference / "model", data, tmp_path / "one", "+packing=greedy", "train.micro_batch_size=1")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                "-m", f"recipes.{RECIPE}.evaluate"]
-    kit.launch(RECIPE, tmp_path / "two", [f"model.pretrained={reference / 'model'}", eval_sources(data),
-                                          "data.max_seq_len=160", "+packing=greedy", "train.micro_batch_size=1",
-                                          "train.context_parallel_size=2"], command=command)
+    kit.train(RECIPE, tmp_path / "two", [f"model.pretrained={reference / 'model'}", eval_sources(data),
+                                         "data.max_seq_len=160", "+packing=greedy", "train.micro_batch_size=1",
+                                         "train.context_parallel_size=2"], command=command)
     two = json.loads((tmp_path / "two" / EVAL_FILE).read_text())
     assert (two["world_size"], two["context_parallel_size"]) == (2, 2)
     assert (two["eval_samples"], two["eval_packs"], two["eval_tokens"]) == \
@@ -253,8 +253,8 @@ def test_a_two_rank_fsdp2_run_evaluates_its_model_as_one_process_does(data, tmp_
     group the end-of-run gathers use; rank 0 alone writes its event file."""
     run_dir = tmp_path / "run"
     overrides = [o for o in run_overrides(data, run_dir) if not o.startswith(("train.output_dir", "train.epochs"))]
-    kit.launch(RECIPE, run_dir, [*overrides, "train.epochs=1", "train.sharding=fsdp2", "train.report_to=[tensorboard]"],
-               nproc=2)
+    kit.train(RECIPE, run_dir, [*overrides, "train.epochs=1", "train.sharding=fsdp2", "train.report_to=[tensorboard]"],
+             nproc=2)
     summary = kit.read_summary(run_dir)
     evals = eval_lines(kit.read_metrics(run_dir))
     assert summary["world_size"] == 2 and [m["step"] for m in evals][-1] == summary["actual_steps"]

@@ -52,7 +52,7 @@ def data(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def reference(data, tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("lora_one")
-    kit.launch(RECIPE, run_dir, [*common(data), "train.gradient_accumulation_steps=2", "train.save_every_steps=1"])
+    kit.train(RECIPE, run_dir, [*common(data), "train.gradient_accumulation_steps=2", "train.save_every_steps=1"])
     return run_dir
 
 
@@ -114,8 +114,8 @@ def test_a_checkpoint_holds_the_adapters_and_their_optimizer_state_only(referenc
 def test_resume_reproduces_the_rest_of_the_run(reference, data, tmp_path):
     expected = kit.read_metrics(reference)
     step = len([m for m in expected if m["epoch"] == 0]) // 2
-    kit.launch(RECIPE, tmp_path, [*common(data), "train.gradient_accumulation_steps=2",
-                                  f"train.resume_from={reference / CHECKPOINTS / f'step_{step:08d}'}"])
+    kit.train(RECIPE, tmp_path, [*common(data), "train.gradient_accumulation_steps=2",
+                                 f"train.resume_from={reference / CHECKPOINTS / f'step_{step:08d}'}"])
     assert kit.read_metrics(tmp_path) == expected[step:]
     assert kit.max_weight_difference(adapters(tmp_path), adapters(reference)) == 0
 
@@ -123,7 +123,7 @@ def test_resume_reproduces_the_rest_of_the_run(reference, data, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("sharding", ["none", "fsdp2"])
 def test_two_ranks_train_the_adapters_one_rank_accumulating_two_trains(reference, data, tmp_path, sharding):
-    out = kit.launch(RECIPE, tmp_path, [*common(data), f"train.sharding={sharding}"], nproc=2).stdout
+    out = kit.train(RECIPE, tmp_path, [*common(data), f"train.sharding={sharding}"], nproc=2).stdout
     if sharding == "fsdp2":
         assert "sharding: fsdp2 over 2 ranks" in out, out
     two, one = kit.read_metrics(tmp_path), kit.read_metrics(reference)
@@ -144,8 +144,8 @@ def test_fsdp2_from_a_pretrained_folder_adapts_the_broadcast_weights(reference, 
     folder records that base, so transformers' own from_pretrained loads it with the adapters applied."""
     base = reference / "model" / MERGED
     overrides = [*common(data), "train.epochs=1", f"model.pretrained={base}"]
-    kit.launch(RECIPE, tmp_path / "two", [*overrides, "train.sharding=fsdp2"], nproc=2)
-    kit.launch(RECIPE, tmp_path / "one", [*overrides, "train.gradient_accumulation_steps=2"])
+    kit.train(RECIPE, tmp_path / "two", [*overrides, "train.sharding=fsdp2"], nproc=2)
+    kit.train(RECIPE, tmp_path / "one", [*overrides, "train.gradient_accumulation_steps=2"])
     two, one = kit.read_metrics(tmp_path / "two"), kit.read_metrics(tmp_path / "one")
     assert abs(two[0]["loss"] - one[0]["loss"]) <= 1e-6
     assert kit.max_weight_difference(adapters(tmp_path / "two"), adapters(tmp_path / "one")) <= 1e-5

@@ -237,7 +237,7 @@ def reference(tmp_path_factory) -> tuple[list[Path], Path]:
     """The three sources and an uninterrupted 1-process run over them, checkpointed after every step."""
     data = mixed_sources(tmp_path_factory.mktemp("mixture_data"))
     run = tmp_path_factory.mktemp("mixture_run")
-    kit.launch("llava", run, [*run_overrides(data), "train.save_every_steps=1", "train.keep_last=100"])
+    kit.train("llava", run, [*run_overrides(data), "train.save_every_steps=1", "train.keep_last=100"])
     return data, run
 
 
@@ -274,7 +274,7 @@ def test_a_resumed_run_draws_and_counts_what_the_uninterrupted_one_did(reference
     data, run = reference
     metrics = kit.read_metrics(run)
     step = len(metrics) // 2 + 1  # mid-run
-    kit.launch("llava", tmp_path, [*run_overrides(data), f"train.resume_from={run / CHECKPOINTS / f'step_{step:08d}'}"])
+    kit.train("llava", tmp_path, [*run_overrides(data), f"train.resume_from={run / CHECKPOINTS / f'step_{step:08d}'}"])
     assert kit.read_metrics(tmp_path) == metrics[step:]
     assert kit.read_summary(tmp_path)["sources"] == kit.read_summary(run)["sources"]
 
@@ -283,7 +283,7 @@ def test_two_ranks_draw_and_train_what_one_rank_does(reference, tmp_path):
     """2 gloo ranks x micro-batch 1 split the same global batch as 1 rank x micro-batch 2: the same steps, the same
     per-source numbers (a rank drawing another fraction of b would train other records)."""
     data, run = reference
-    kit.launch("llava", tmp_path, [*run_overrides(data), "train.micro_batch_size=1"], nproc=2)
+    kit.train("llava", tmp_path, [*run_overrides(data), "train.micro_batch_size=1"], nproc=2)
     one, two = kit.read_summary(run), kit.read_summary(tmp_path)
     assert two["actual_steps"] == two["estimated_steps"] == one["actual_steps"]
     assert two["sources"] == one["sources"]

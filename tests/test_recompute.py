@@ -73,7 +73,7 @@ def test_fsdp2_with_recomputation_on_two_ranks_trains_what_fsdp2_without_trains(
     common = [f"data.sources=[{data}]", "data.shuffle=false", "data.max_seq_len=160", "train.epochs=2",
               "train.micro_batch_size=1", "train.learning_rate=5e-3", "train.sharding=fsdp2"]
     for on in ("false", "true"):
-        kit.launch("qwen3_5", tmp_path / on, [*common, f"train.activation_checkpointing={on}"], nproc=2)
+        kit.train("qwen3_5", tmp_path / on, [*common, f"train.activation_checkpointing={on}"], nproc=2)
     plain, recomputed = kit.read_metrics(tmp_path / "false"), kit.read_metrics(tmp_path / "true")
     assert len(plain) == len(recomputed) >= 10
     assert max(abs(a["loss"] - b["loss"]) for a, b in zip(plain, recomputed)) <= 1e-6

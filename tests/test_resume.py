@@ -42,8 +42,8 @@ def references(data, tmp_path_factory):
     def get(nproc: int, packing: str, sharding: str = "none") -> Path:
         if (nproc, packing, sharding) not in made:
             run_dir = tmp_path_factory.mktemp(f"reference_{nproc}_{packing}_{sharding}")
-            kit.launch(RECIPE, run_dir, [*common(data, packing), "train.save_every_steps=1",
-                                         f"train.sharding={sharding}"], nproc=nproc)
+            kit.train(RECIPE, run_dir, [*common(data, packing), "train.save_every_steps=1",
+                                        f"train.sharding={sharding}"], nproc=nproc)
             made[nproc, packing, sharding] = run_dir
         return made[nproc, packing, sharding]
 
@@ -68,8 +68,8 @@ def test_resume_from_a_checkpoint_reproduces_the_rest_of_the_run(references, dat
     checkpoint = reference / CHECKPOINTS / f"step_{step:08d}"
     state = load_run_state(checkpoint)
     assert (state.epoch, state.epoch_steps_done > 0) == ((0, True) if where == "mid" else (1, False))
-    kit.launch(RECIPE, tmp_path, [*common(data, packing), f"train.resume_from={checkpoint}",
-                                  f"train.num_workers={workers}"], nproc=nproc)
+    kit.train(RECIPE, tmp_path, [*common(data, packing), f"train.resume_from={checkpoint}",
+                                 f"train.num_workers={workers}"], nproc=nproc)
     assert kit.read_metrics(tmp_path) == expected[step:]
     summary, full = kit.read_summary(tmp_path), kit.read_summary(reference)
     assert summary["losses"] == full["losses"] and summary["totals"] == full["totals"]
@@ -80,8 +80,8 @@ def test_a_compute_balanced_epoch_trains_the_same_samples_and_times_each_ranks_w
     """``packing.balance=compute`` over a streamed (greedy) plan on 2 ranks with ``train.time_barrier=true``: the same
     samples and step count as the round-robin run, each rank's compute and barrier wait logged every step (resuming a
     balanced epoch mid-way: ``tests/test_balance.py``, through the same ``starting_at``)."""
-    kit.launch(RECIPE, tmp_path, [*common(data, "greedy"), "train.epochs=1", "packing.balance=compute",
-                                  "packing.balance_window=2", "train.time_barrier=true"], nproc=2)
+    kit.train(RECIPE, tmp_path, [*common(data, "greedy"), "train.epochs=1", "packing.balance=compute",
+                                 "packing.balance_window=2", "train.time_barrier=true"], nproc=2)
     raw = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all(len(m["compute_ms"]) == 2 and len(m["barrier_wait_ms"]) == 2 for m in raw)
     summary, plain = kit.read_summary(tmp_path), kit.read_summary(references(2, "greedy"))
@@ -124,7 +124,7 @@ def test_sigkill_then_resume_auto_reproduces_the_uninterrupted_run(references, d
     assert logged == expected[:len(logged)], "metrics.jsonl holds every step trained before the kill"
     kept = sorted(p.name for p in (tmp_path / CHECKPOINTS).iterdir() if not p.name.startswith("."))
     assert len(kept) == 1, f"keep_last=1 left {kept}"
-    kit.launch(RECIPE, tmp_path, [*overrides, "train.resume_from=auto"], nproc=nproc)
+    kit.train(RECIPE, tmp_path, [*overrides, "train.resume_from=auto"], nproc=nproc)
     assert kit.read_metrics(tmp_path) == expected
     assert kit.read_summary(tmp_path)["resumed_from"].endswith(kept[0])
 
@@ -149,7 +149,7 @@ def test_sigterm_on_one_rank_stops_every_rank_with_a_checkpoint_and_exit_0(refer
     assert not (tmp_path / "model").exists(), "a preempted run leaves a checkpoint, not a final model"
     assert stop_seconds < 30, f"stopping took {stop_seconds:.1f} s, more than torchrun's grace period"
     print(f"SIGTERM to rank 1 -> both ranks saved step {summary['actual_steps']} and exited 0 in {stop_seconds:.1f} s")
-    kit.launch(RECIPE, tmp_path, [*overrides, "train.resume_from=auto"], nproc=2)
+    kit.train(RECIPE, tmp_path, [*overrides, "train.resume_from=auto"], nproc=2)
     assert kit.read_metrics(tmp_path) == expected
 
 
@@ -161,5 +161,5 @@ def test_a_crash_during_a_save_leaves_the_previous_checkpoint_usable(references,
     half_written = run_dir / CHECKPOINTS / ".step_00000003.partial"
     shutil.copytree(reference / CHECKPOINTS / "step_00000003", half_written)
     (half_written / "__0_0.distcp").write_bytes(b"truncated")
-    kit.launch(RECIPE, run_dir, [*common(data, "bfd"), "train.resume_from=auto"])
+    kit.train(RECIPE, run_dir, [*common(data, "bfd"), "train.resume_from=auto"])
     assert kit.read_metrics(run_dir) == kit.read_metrics(reference)[2:]

@@ -58,10 +58,10 @@ def test_fp16_under_fsdp2_is_refused_with_one_line():
 @pytest.mark.slow
 def test_bf16_under_fsdp2_trains_from_fp32_master_weights(tmp_path):
     """bf16 compute over fp32 master weights and fp32 gradient reductions, on 2 gloo ranks: finite, falling loss."""
-    kit.launch("llava", tmp_path / "run", ["+packing=greedy", "demo.num_samples=32", "data.max_seq_len=512",
-                                           f"demo.out_dir={tmp_path / 'demo'}", "train.epochs=3",
-                                           "train.micro_batch_size=2", "train.sharding=fsdp2",
-                                           "train.mixed_precision=bf16"], nproc=2)
+    kit.train("llava", tmp_path / "run", ["+packing=greedy", "demo.num_samples=32", "data.max_seq_len=512",
+                                          f"demo.out_dir={tmp_path / 'demo'}", "train.epochs=3",
+                                          "train.micro_batch_size=2", "train.sharding=fsdp2",
+                                          "train.mixed_precision=bf16"], nproc=2)
     summary = kit.read_summary(tmp_path / "run")
     assert all(math.isfinite(loss) for loss in summary["losses"]) and summary["loss_last"] < summary["loss_first"]
     assert {w.dtype for w in kit.final_weights(tmp_path / "run").values()} == {torch.float32}

@@ -17,6 +17,8 @@ This module is the kit's public entry point; the checks live in ``mvp_engine.eng
 - ``recompute``: activation checkpointing gives the same loss and gradients on the packed case, and really
   recomputes (every layer runs again in backward; fewer bytes saved for backward).
 - ``launch``: real ``python -m`` / torchrun launches of a recipe, their metrics, summaries and final weights.
+- ``runs``: the same trainings without a fresh interpreter each (one process in the test's, several in a pool of
+  rank workers), a session cache of reference runs, and one shared mixed data set.
 - ``records``: demo-like records with real image files (and tiny clips written with PyAV).
 - ``validate``: every soft check of ``tools/validate_recipe.py`` on a recipe's real run (``data_checks``,
   ``model_checks``), one ``PASS|FAIL name: evidence`` line each, and the seed's hard checks.
@@ -73,6 +75,7 @@ from .testkit.records import (
     write_mixed_jsonl,
     write_video,
 )
+from .testkit.runs import RankPool, cached_run, shared_mixed_jsonl, train
 from .testkit.smoke import check_smoke_summary, smoke_run
 from .testkit.structure import (
     PACKINGS,
@@ -127,6 +130,10 @@ __all__ = [
     "hard_commands",
     "image",
     "launch",
+    "RankPool",
+    "cached_run",
+    "shared_mixed_jsonl",
+    "train",
     "load_recipe",
     "max_weight_difference",
     "packing_overrides",

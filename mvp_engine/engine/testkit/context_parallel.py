@@ -25,8 +25,8 @@ from ..loss import weighted_token_loss
 from ..participation import dummy_passes, media_kinds
 from ..recipe import Recipe
 from .equivalence import EquivalenceCase, collate_rows
-from .launch import final_weights, launch, max_weight_difference, read_metrics, read_summary
-from .records import write_mixed_jsonl
+from .launch import count_launch, final_weights, max_weight_difference, read_metrics, read_summary
+from .runs import shared_mixed_jsonl, train
 from .structure import backward_available, compose_config, load_recipe
 
 CP_SIZE = 2
@@ -135,6 +135,7 @@ def check_split_row_equivalence(case: EquivalenceCase, backends: list[str], work
     ranks) agree; returns one report per backend."""
     workdir = Path(tempfile.mkdtemp(dir=workdir))
     torch.save(split_inside_media(case), workdir / "batch.pt")
+    count_launch("spawned")
     mp.spawn(_split_worker, args=(case.recipe.name, str(workdir), list(backends)), nprocs=CP_SIZE, join=True)
     return torch.load(workdir / "reports.pt", weights_only=False)
 
@@ -145,12 +146,10 @@ def check_split_training(recipe: str, run_dir: Path, split: tuple[int, int], ref
     ``reference``: the same steps and per-step counts (each row counted once), losses and final weights within
     ``tol``, estimated == actual steps (``split_overrides``: more keys of the split run, e.g. FSDP2). Returns the
     line with the measured differences."""
-    data = write_mixed_jsonl(run_dir / "data")
-    common = ["+packing=greedy", f"data.sources=[{data}]", "data.shuffle=false", "data.max_seq_len=320",
-              f"train.epochs={epochs}", "train.micro_batch_size=1", "train.learning_rate=5e-3"]
+    common = ["+packing=greedy", f"data.sources=[{shared_mixed_jsonl()}]", "data.shuffle=false",
+              "data.max_seq_len=320", f"train.epochs={epochs}", "train.micro_batch_size=1", "train.learning_rate=5e-3"]
     for name, (nproc, cp), extra in (("split", split, split_overrides), ("reference", reference, ())):
-        launch(recipe, run_dir / name, [*common, f"train.context_parallel_size={cp}", *extra], nproc=nproc,
-               timeout=600)
+        train(recipe, run_dir / name, [*common, f"train.context_parallel_size={cp}", *extra], nproc=nproc)
     split_metrics, reference_metrics = read_metrics(run_dir / "split"), read_metrics(run_dir / "reference")
     assert len(split_metrics) == len(reference_metrics) >= 2
     for key in ("samples", "effective_tokens", "supervised_tokens", "lr"):

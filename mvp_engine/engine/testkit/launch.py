@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -18,6 +19,18 @@ from ..config import CONF_DIR
 REPO_ROOT = CONF_DIR.parent
 # every launch on one thread per process: results do not depend on how many cores the machine has free
 LAUNCH_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+# trainings of this test session by how they ran: "launched" (a fresh interpreter per process, here), "in-process"
+# and "pooled" (``runs.py``); printed at the session's end
+RUN_COUNTS: Counter = Counter()
+# set by ``make test-fast``: a test that starts processes there is missing its ``launch`` marker
+NO_LAUNCH_ENV = "VLM_PACKING_NO_LAUNCH"
+
+
+def count_launch(how: str) -> None:
+    """Count a training (``how``: launched / pooled / in-process); starting processes is refused in the fast lane."""
+    if how != "in-process" and os.environ.get(NO_LAUNCH_ENV) == "1":
+        raise AssertionError(f"this test starts processes ({how}) in the fast lane: mark it `launch` or `slow`")
+    RUN_COUNTS[how] += 1
 
 
 def train_command(recipe: str, nproc: int = 1) -> list[str]:
@@ -35,6 +48,7 @@ def launch(recipe: str, run_dir: Path, overrides=(), nproc: int = 1, timeout: fl
            command: list[str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
     """Run a training to its end; ``check``: fail with its output unless it exited 0."""
     cmd = (command or train_command(recipe, nproc)) + run_overrides(run_dir, overrides)
+    count_launch("launched")
     # its own session: a launch that hangs is killed with every rank it started (killing torchrun alone would
     # leave its ranks running after the test)
     process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT,
@@ -56,6 +70,7 @@ def launch(recipe: str, run_dir: Path, overrides=(), nproc: int = 1, timeout: fl
 def start(recipe: str, run_dir: Path, overrides=(), nproc: int = 1) -> subprocess.Popen:
     """Start a training in the background (to be signalled or killed by the test)."""
     cmd = train_command(recipe, nproc) + run_overrides(run_dir, overrides)
+    count_launch("launched")
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT,
                             env={**os.environ, **LAUNCH_ENV}, start_new_session=True)
 

@@ -129,88 +129,50 @@ class EquivalenceSuite(RecipeSuite):
 
 
 class DistributedSuite(RecipeSuite):
-    """Real 2-process gloo runs (torchrun) on data whose micro-batches alternate image and text-only samples and
-    whose last step is uneven (one rank trains an all-padding row): 2 ranks x accumulation 1 trains exactly what
-    1 rank x accumulation 2 trains, for every loss reduction, with the same lr column; the same under
-    ``train.sharding=fsdp2`` (with the recipe's ``sharded_freeze`` patterns frozen), whose gathered
-    ``save_pretrained`` folder loads back with ``model.pretrained``; and a sharded run from a pretrained folder
-    (rank 0 alone reads it, the others receive their shards) trains what one process trains from it."""
+    """The distributed contract, one 2-rank run: FSDP2 over 2 gloo ranks, from a pretrained folder (rank 0 alone
+    reads it, the others receive their shards), with the recipe's ``sharded_freeze`` patterns frozen, packed, on data
+    whose micro-batches alternate image and text-only samples, trains what 1 rank x accumulation 2 trains unsharded
+    (same lr column and samples, losses, grad norms, final weights), and its gathered ``save_pretrained`` folder
+    loads back with ``model.pretrained``. DDP over the world is the ``ContextParallelSuite``'s run; the model-free
+    reduction x sharding matrix (token / sample / square, DDP / FSDP2, an uneven last step) is the engine's
+    (``tests/test_distributed_matrix.py``)."""
 
-    CASES = {"token": None, "sample": "greedy", "square": "bfd"}  # reduction -> packing (None: unpacked)
-    # The reductions are the engine's and model-free: one recipe runs them all; the others set this to one case
-    # (each case is two launches, ~25 s on 2 CPU cores).
-    reductions: tuple[str, ...] = tuple(CASES)
-    sharded_reductions: tuple[str, ...] = tuple(CASES)
-    sharded_freeze: tuple[str, ...] = ()  # model.freeze patterns of the FSDP2 case (whole sharding units, or parts)
+    reduction: str = "sample"  # train.loss_reduction of the contract run
+    packing: str = "greedy"  # its packing (bfd: one whole epoch planned before the first step)
+    sharded_freeze: tuple[str, ...] = ()  # model.freeze patterns (whole sharding units, or parts)
 
-    def pytest_generate_tests(self, metafunc):
-        for name, values in (("reduction", self.reductions), ("sharded_reduction", self.sharded_reductions)):
-            if name in metafunc.fixturenames:
-                metafunc.parametrize(name, list(values))
-
-    @pytest.fixture(scope="class")
-    @classmethod
-    def data(cls, tmp_path_factory):
-        return kit.write_mixed_jsonl(tmp_path_factory.mktemp(f"{cls.recipe}_mixed"))
-
-    def _two_against_one(self, run_dir, reduction: str, data, extra=(), sharded: bool = False, epochs: int = 2):
-        """2 ranks x accumulation 1 and 1 rank x accumulation 2 on ``data``; their metrics and the 2-rank stdout."""
-        common = [*kit.packing_overrides(self.CASES[reduction]), f"data.sources=[{data}]", "data.shuffle=false",
-                  "data.max_seq_len=160", f"train.epochs={epochs}", "train.micro_batch_size=1",
-                  "train.learning_rate=5e-3", "train.warmup_ratio=0.2", f"train.loss_reduction={reduction}", *extra]
-        sharding = ["train.sharding=fsdp2"] if sharded else []
-        out = kit.launch(self.recipe, run_dir / "two", [*common, *sharding, "train.gradient_accumulation_steps=1"],
-                         nproc=2).stdout
-        kit.launch(self.recipe, run_dir / "one", [*common, "train.gradient_accumulation_steps=2"], nproc=1)
-        two, one = kit.read_metrics(run_dir / "two"), kit.read_metrics(run_dir / "one")
+    @pytest.mark.slow
+    @pytest.mark.launch
+    def test_fsdp2_on_two_ranks_trains_what_one_rank_accumulating_two_trains(self, tmp_path):
+        recipe = kit.load_recipe(self.recipe)
+        cfg = kit.compose_config(self.recipe)
+        recipe.build_model(cfg.model, "sdpa").save_pretrained(tmp_path / "saved")
+        recipe.build_processor(cfg.model).save_pretrained(tmp_path / "saved")
+        freeze = [f"model.freeze=[{','.join(self.sharded_freeze)}]"] if self.sharded_freeze else []
+        common = [*kit.packing_overrides(self.packing), f"data.sources=[{kit.shared_mixed_jsonl()}]",
+                  "data.shuffle=false", "data.max_seq_len=160", "train.epochs=2", "train.micro_batch_size=1",
+                  "train.learning_rate=5e-3", "train.warmup_ratio=0.2", f"train.loss_reduction={self.reduction}",
+                  f"model.pretrained={tmp_path / 'saved'}", *freeze]
+        out = kit.train(self.recipe, tmp_path / "two", [*common, "train.sharding=fsdp2",
+                                                        "train.gradient_accumulation_steps=1"], nproc=2).stdout
+        kit.train(self.recipe, tmp_path / "one", [*common, "train.gradient_accumulation_steps=2"])
+        two, one = kit.read_metrics(tmp_path / "two"), kit.read_metrics(tmp_path / "one")
+        assert re.search(r"sharding: fsdp2 over 2 ranks, this rank holds [\d,]+ of [\d,]+ parameter elements", out), out
         assert [m["lr"] for m in two] == [m["lr"] for m in one]
         assert [m["samples"] for m in two] == [m["samples"] for m in one]
-        return two, one, out
-
-    @pytest.mark.slow
-    def test_two_ranks_train_what_one_rank_accumulating_two_trains(self, reduction, data, tmp_path):
-        two, one, _ = self._two_against_one(tmp_path, reduction, data)
-        assert max(abs(a["loss"] - b["loss"]) for a, b in zip(two, one)) <= 1e-6
-        difference = kit.max_weight_difference(kit.final_weights(tmp_path / "two"), kit.final_weights(tmp_path / "one"))
-        assert difference <= 1e-6, f"parameters differ by {difference}"
-        summary = kit.read_summary(tmp_path / "two")
-        assert summary["world_size"] == 2 and summary["sharding"] == "none"
-        assert summary["steps_per_rank_this_session"] == [summary["estimated_steps"]] * 2 == [len(two)] * 2
-        if self.CASES[reduction] is None:  # 11 samples on 2 ranks: the last step pairs a sample with an all-padding row
-            assert [m["packs"] for m in two][-1] == 1
-
-    @pytest.mark.slow
-    def test_fsdp2_on_two_ranks_trains_what_one_rank_accumulating_two_trains(self, sharded_reduction, data, tmp_path):
-        freeze = [f"model.freeze=[{','.join(self.sharded_freeze)}]"] if self.sharded_freeze else []
-        two, one, out = self._two_against_one(tmp_path, sharded_reduction, data, freeze, sharded=True)
-        assert re.search(r"sharding: fsdp2 over 2 ranks, this rank holds [\d,]+ of [\d,]+ parameter elements", out), out
+        assert abs(two[0]["loss"] - one[0]["loss"]) <= 1e-6  # a wrong or missing shard changes the first step
         assert max(abs(a["loss"] - b["loss"]) for a, b in zip(two, one)) <= 1e-5
         assert max(abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(two, one)) <= 1e-4
         difference = kit.max_weight_difference(kit.final_weights(tmp_path / "two"), kit.final_weights(tmp_path / "one"))
         assert difference <= 1e-5, f"parameters differ by {difference}"
         summary = kit.read_summary(tmp_path / "two")
-        assert summary["sharding"] == "fsdp2"
+        assert summary["world_size"] == 2 and summary["sharding"] == "fsdp2"
+        assert summary["steps_per_rank_this_session"] == [summary["estimated_steps"]] * 2 == [len(two)] * 2
         assert summary["parameters"] == kit.read_summary(tmp_path / "one")["parameters"]
         # the folder gathered to rank 0 loads with model.pretrained, in the layout an unsharded run saves
-        recipe = kit.load_recipe(self.recipe)
         loaded = [recipe.build_model(kit.compose_config(self.recipe, [f"model.pretrained={tmp_path / run / 'model'}"])
                                      .model, "sdpa").state_dict() for run in ("two", "one")]
         assert kit.max_weight_difference(*loaded) <= 1e-5
-
-    @pytest.mark.slow
-    def test_fsdp2_from_a_pretrained_folder_shards_the_saved_weights(self, data, tmp_path):
-        """Rank 1 builds on the meta device and receives its shards from rank 0: a wrong or missing shard would
-        change the first step's loss against one process loading the folder itself."""
-        recipe = kit.load_recipe(self.recipe)
-        cfg = kit.compose_config(self.recipe)
-        recipe.build_model(cfg.model, "sdpa").save_pretrained(tmp_path / "saved")
-        recipe.build_processor(cfg.model).save_pretrained(tmp_path / "saved")
-        reduction = self.sharded_reductions[0]
-        two, one, _ = self._two_against_one(tmp_path, reduction, data, [f"model.pretrained={tmp_path / 'saved'}"],
-                                            sharded=True, epochs=1)
-        assert abs(two[0]["loss"] - one[0]["loss"]) <= 1e-6
-        difference = kit.max_weight_difference(kit.final_weights(tmp_path / "two"), kit.final_weights(tmp_path / "one"))
-        assert difference <= 1e-5, f"parameters differ by {difference}"
 
 
 class EncoderSuite(RecipeSuite):
@@ -253,6 +215,7 @@ class ContextParallelSuite(RecipeSuite):
     def case(cls, tmp_path_factory):
         return kit.equivalence_case(cls.recipe, tmp_path_factory.mktemp(f"{cls.recipe}_context_parallel"))
 
+    @pytest.mark.launch
     def test_split_row_equals_unsplit_on_every_backend(self, case, tmp_path):
         backends = [b for b in case.recipe.attention_backends if not BACKENDS[b].package]  # flash needs CUDA
         reports = kit.check_split_row_equivalence(case, backends, tmp_path)
@@ -262,6 +225,7 @@ class ContextParallelSuite(RecipeSuite):
             assert report.grad_rel_diff is None or report.grad_rel_diff <= kit.TOL, report.line()
 
     @pytest.mark.slow
+    @pytest.mark.launch
     def test_cp2_trains_what_one_process_trains(self, tmp_path):
         line = kit.check_split_training(self.recipe, tmp_path, split=(2, 2), reference=(1, 1))
         print(line)

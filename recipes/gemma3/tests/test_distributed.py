@@ -1,10 +1,11 @@
-"""2-process gloo training of Gemma 3 (per-layer-type masks, bidirectional image blocks) equals 1-process
-accumulation, DDP and FSDP2 (the kit's ``DistributedSuite``; the loss reductions are the engine's and run on llava)."""
+"""2-rank FSDP2 training of Gemma 3 (per-layer-type masks, bidirectional image blocks), from a pretrained folder, equals
+1-rank accumulation, text-only and uneven micro-batches included (the kit's ``DistributedSuite``; the reduction x
+sharding matrix is the engine's, ``tests/test_distributed_matrix.py``)."""
 
 from mvp_engine.engine.testkit.suites import DistributedSuite
 
 
 class TestDistributed(DistributedSuite):
     recipe = "gemma3"
-    reductions = ("sample",)
-    sharded_reductions = ("square",)
+    reduction = "square"
+    packing = "bfd"

@@ -1,10 +1,9 @@
-"""2-process gloo training of glm4v equals 1-process accumulation, DDP and FSDP2, the dummy media pass included (the
-kit's ``DistributedSuite``; llava's suite covers the other loss reductions)."""
+"""2-rank FSDP2 training of glm4v, the dummy media pass included, from a pretrained folder, equals 1-rank accumulation,
+text-only and uneven micro-batches included (the kit's ``DistributedSuite``; the reduction x sharding matrix is the
+engine's, ``tests/test_distributed_matrix.py``)."""
 
 from mvp_engine.engine.testkit.suites import DistributedSuite
 
 
 class TestDistributed(DistributedSuite):
     recipe = "glm4v"
-    reductions = ("token",)
-    sharded_reductions = ("sample",)

@@ -1,5 +1,6 @@
-"""2-process gloo training of llava equals 1-process accumulation, DDP and FSDP2, for every loss reduction, text-only
-and uneven micro-batches included (the kit's ``DistributedSuite``)."""
+"""2-rank FSDP2 training of llava, from a pretrained folder, equals 1-rank accumulation, text-only and uneven micro-
+batches included (the kit's ``DistributedSuite``; the reduction x sharding matrix is the engine's,
+``tests/test_distributed_matrix.py``)."""
 
 from mvp_engine.engine.testkit.suites import DistributedSuite
 

@@ -1,12 +1,10 @@
-"""2-process gloo training of qwen2_5_vl equals 1-process accumulation, DDP (unpacked) and FSDP2 (greedy packs) with
-a frozen windowed vision block, text-only and uneven micro-batches included (the kit's ``DistributedSuite``; llava's
-suite covers the other loss reductions)."""
+"""2-rank FSDP2 training of qwen2_5_vl with a frozen windowed vision block, from a pretrained folder, equals 1-rank
+accumulation, text-only and uneven micro-batches included (the kit's ``DistributedSuite``; the reduction x sharding
+matrix is the engine's, ``tests/test_distributed_matrix.py``)."""
 
 from mvp_engine.engine.testkit.suites import DistributedSuite
 
 
 class TestDistributed(DistributedSuite):
     recipe = "qwen2_5_vl"
-    reductions = ("token",)
-    sharded_reductions = ("sample",)
     sharded_freeze = ("model.visual.blocks.0",)  # the windowed block: a whole sharding unit

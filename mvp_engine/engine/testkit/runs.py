@@ -1,0 +1,219 @@
+"""Real trainings without a fresh interpreter each: one process runs in the test's own process, N ranks in a pool
+of N worker processes started once per test session; and a session cache of reference runs.
+
+Why: a launch (``launch.py``) spends ~10 s per process importing torch, transformers and the recipe before its
+first step, and the suite's trainings are a few steps each, so imports were most of the suite's time. A pool worker
+imports once and then runs each requested training as a launched rank would: the environment torchrun sets
+(``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, a fresh ``MASTER_PORT``), accelerate's state reset, the run's own
+process group set up and torn down by ``run_recipe``, one torch thread. What a run returns is what a launch
+returns (exit status, stdout, stderr), so a test reads either the same way. Real launches stay where the process
+boundary is the point: signals, kills, the command line, the interpreter's exit.
+
+Every training is counted (``launch.RUN_COUNTS``); the session prints the counts at its end.
+"""
+
+from __future__ import annotations
+
+import atexit
+import io
+import os
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Sequence
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from .launch import LAUNCH_ENV, count_launch
+
+POOL_START_TIMEOUT = 120.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def _one_thread():
+    """As a launch runs (``OMP_NUM_THREADS=1``): results do not depend on the cores free, and an in-process
+    reference computes what a launched or pooled run computes."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run_job(recipe: str, run_dir: str, overrides: Sequence[str]) -> tuple[int, str, str]:
+    """One run of ``recipes.<recipe>.train`` with ``overrides`` writing to ``run_dir``, as its command line would
+    run it (``run_recipe``: a config or data error is one stderr line and exit status 1); returns (status, stdout,
+    stderr)."""
+    from accelerate.state import AcceleratorState
+
+    from ..trainer import run_recipe
+    from .structure import compose_config, load_recipe
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # the last run's process group is gone
+    out, err = io.StringIO(), io.StringIO()
+    status = 0
+    with redirect_stdout(out), redirect_stderr(err), _one_thread():
+        try:
+            run_recipe(compose_config(recipe, [f"train.output_dir={run_dir}", *overrides]), load_recipe(recipe))
+        except SystemExit as stop:
+            status = stop.code if isinstance(stop.code, int) else 1
+        except BaseException:  # noqa: BLE001 - reported as a launch reports a crash: status 1 and the traceback
+            traceback.print_exc()
+            status = 1
+    return status, out.getvalue(), err.getvalue()
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A worker outliving its test session (the session killed) exits instead of waiting forever for work."""
+    while True:
+        time.sleep(2)
+        if os.getppid() != parent:
+            os._exit(1)
+
+
+def _worker(rank: int, nproc: int, parent: int, jobs, results) -> None:
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+    while (job := jobs.get()) is not None:
+        recipe, run_dir, overrides, port = job
+        os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+                           "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        results.put((rank, *_run_job(recipe, run_dir, overrides)))
+
+
+class RankPool:
+    """``nproc`` worker processes, each one rank of every multi-rank run asked of it."""
+
+    def __init__(self, nproc: int):
+        context = mp.get_context("spawn")
+        self.nproc = nproc
+        self.results = context.Queue()
+        self.jobs = [context.Queue() for _ in range(nproc)]
+        saved = {k: os.environ.get(k) for k in LAUNCH_ENV}
+        os.environ.update(LAUNCH_ENV)  # inherited at start: one thread per worker, unbuffered output
+        try:
+            # not daemonic: a rank's DataLoader workers are its children
+            self.workers = [context.Process(target=_worker, args=(rank, nproc, os.getpid(), self.jobs[rank],
+                                                                  self.results)) for rank in range(nproc)]
+            for worker in self.workers:
+                worker.start()
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+    def alive(self) -> bool:
+        return all(worker.is_alive() for worker in self.workers)
+
+    def run(self, recipe: str, run_dir: Path, overrides: Sequence[str], timeout: float) -> list[tuple]:
+        """Each rank's (status, stdout, stderr), in rank order; raises after ``timeout`` (the pool is stopped)."""
+        port = _free_port()
+        for queue in self.jobs:
+            queue.put((recipe, str(run_dir), list(overrides), port))
+        done: dict[int, tuple] = {}
+        deadline = time.monotonic() + timeout
+        while len(done) < self.nproc:
+            try:
+                rank, *result = self.results.get(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
+                done[rank] = tuple(result)
+            except Exception:  # noqa: BLE001 - queue.Empty: check the deadline and the workers
+                if time.monotonic() > deadline or not self.alive():
+                    self.stop()
+                    raise AssertionError(f"{self.nproc}-rank run of {recipe} {' '.join(overrides)} did not finish "
+                                         f"in {timeout} s (or a rank died); ranks done: {sorted(done)}") from None
+        return [done[rank] for rank in range(self.nproc)]
+
+    def stop(self) -> None:
+        for queue, worker in zip(self.jobs, self.workers):
+            if worker.is_alive():
+                try:
+                    queue.put(None)
+                except (OSError, ValueError):
+                    pass
+        for worker in self.workers:
+            worker.join(timeout=5)
+            if worker.is_alive():
+                worker.kill()
+
+
+_POOLS: dict[int, RankPool] = {}
+
+
+def _pool(nproc: int) -> RankPool:
+    pool = _POOLS.get(nproc)
+    if pool is None or not pool.alive():
+        pool = _POOLS[nproc] = RankPool(nproc)
+    return pool
+
+
+@atexit.register
+def _stop_pools() -> None:
+    for pool in _POOLS.values():
+        pool.stop()
+
+
+def train(recipe: str, run_dir: Path, overrides: Sequence[str] = (), nproc: int = 1, timeout: float = 600,
+          check: bool = True) -> subprocess.CompletedProcess:
+    """A real training of ``recipe`` into ``run_dir`` on ``nproc`` ranks (gloo), read like a launch: exit status,
+    stdout and stderr (the ranks' outputs concatenated in rank order). One process runs here; several in the
+    session's pool. ``check``: fail with the output unless it exited 0."""
+    run_dir = Path(run_dir)
+    command = [f"recipes.{recipe}.train", f"train.output_dir={run_dir}", *overrides]
+    if nproc == 1:
+        count_launch("in-process")
+        ranks = [_run_job(recipe, str(run_dir), overrides)]
+    else:
+        count_launch("pooled")
+        ranks = _pool(nproc).run(recipe, run_dir, overrides, timeout)
+    status = max((r[0] for r in ranks), key=abs)
+    result = subprocess.CompletedProcess(command, status, "".join(r[1] for r in ranks), "".join(r[2] for r in ranks))
+    if check and status != 0:
+        raise AssertionError(f"{' '.join(command)} ({nproc} ranks) exited {status}:\n{result.stdout[-3000:]}\n"
+                             f"{result.stderr[-6000:]}")
+    return result
+
+
+_CACHE: dict[tuple, Path] = {}
+_CACHE_ROOT: list[Path] = []
+
+
+def cached_run(recipe: str, overrides: Sequence[str], nproc: int = 1) -> Path:
+    """The run directory of a successful training of ``recipe`` with ``overrides`` on ``nproc`` ranks, trained on
+    first use and shared by every test of the session asking for the same run (overrides compared as a set, so
+    their order does not matter). Tests must only read it."""
+    key = (recipe, nproc, tuple(sorted(overrides)))
+    if key not in _CACHE:
+        if not _CACHE_ROOT:
+            _CACHE_ROOT.append(Path(tempfile.mkdtemp(prefix="vlm_packing_runs_")))
+        run_dir = _CACHE_ROOT[0] / f"{recipe}_{nproc}_{len(_CACHE)}"
+        train(recipe, run_dir, overrides, nproc=nproc)
+        _CACHE[key] = run_dir
+    return _CACHE[key]
+
+
+_DATA: dict[int, Path] = {}
+
+
+def shared_mixed_jsonl(num_records: int = 11) -> Path:
+    """One mixed image / text-only JSONL (``records.write_mixed_jsonl``) per size for the whole session: runs over
+    it measure it once (the measure cache keys on the file) and reference runs over it can be shared."""
+    from .records import write_mixed_jsonl
+
+    if num_records not in _DATA:
+        _DATA[num_records] = write_mixed_jsonl(Path(tempfile.mkdtemp(prefix=f"vlm_packing_mixed_{num_records}_")),
+                                               num_records)
+    return _DATA[num_records]
