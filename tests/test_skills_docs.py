@@ -7,7 +7,8 @@ under ``skills/``; what it checks, per markdown file:
 - paths: inline code, link targets and bare prose paths under a top-level folder (``tools/x.py``,
   ``conf/packing/greedy.yaml``) exist relative to the document or the repository root; ``<placeholder>`` and
   ``*`` parts must match something; paths under folders that runs create (``outputs/``, ``.cache/``) are skipped.
-- names: inline code shaped like a Python name or dotted path is a Hydra key of ``conf/``, imports (dotted paths
+- names: inline code shaped like a Python name or dotted path is a Hydra key of ``conf/`` (with the keys a group
+  file takes from the dataclass schema its ``defaults`` list extends), imports (dotted paths
   into the repository's packages), or has every part found as a word in the repository's Python sources, conf
   and Makefile; in a call ``f(a, key=1)`` the callee and the keyword names are checked.
 - Hydra overrides (``+packing=greedy``, ``data.max_seq_len=2048``): the key is in ``conf/``; a config group's
@@ -29,7 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from hydra.core.config_store import ConfigStore
+from hydra.plugins.config_source import ConfigLoadError
 from omegaconf import OmegaConf
+
+import mvp_engine.engine.report_config  # noqa: F401  (registers every schema conf/ extends: engine, kit, report)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SKILLS_DIR = REPO_ROOT / "skills"
@@ -108,6 +113,20 @@ def _flat_keys(node, prefix: str) -> set[str]:
     return keys
 
 
+def schema_keys(group: str, node: dict, prefix: str) -> set[str]:
+    """The keys a group file takes from the ConfigStore schemas its ``defaults`` list extends (``train_schema``:
+    the dataclass holds every key the file does not write)."""
+    keys = set()
+    for entry in node.get("defaults", []) if group else []:
+        if isinstance(entry, str) and entry != "_self_":
+            try:
+                stored = ConfigStore.instance().load(f"{group}/{entry}.yaml")
+            except ConfigLoadError:
+                continue
+            keys |= _flat_keys(OmegaConf.to_container(stored.node), prefix)
+    return keys
+
+
 def hydra_keys_and_groups(conf_dir: Path) -> tuple[set[str], dict[str, set[str]]]:
     """Dotted keys of every primary config and group option under ``conf_dir``, and each group's options."""
     keys: set[str] = set()
@@ -122,7 +141,7 @@ def hydra_keys_and_groups(conf_dir: Path) -> tuple[set[str], dict[str, set[str]]
             groups.setdefault(group, set()).add(path.stem)
         if prefix:
             keys.add(prefix)
-        keys |= _flat_keys(node, prefix) - {"defaults"}
+        keys |= (_flat_keys(node, prefix) | schema_keys(group, node, prefix)) - {"defaults"}
     return keys, groups
 
 
