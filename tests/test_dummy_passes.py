@@ -24,6 +24,8 @@ def test_the_encoder_runs_as_often_whatever_the_micro_batch_holds():
     recipe = kit.load_recipe("qwen3_vl")
     model = recipe.build_model(kit.compose_config("qwen3_vl").model, "sdpa")
     assert media_kinds(model) == (IMAGES, VIDEOS)
+    encoder = recipe.build_encoder(recipe.build_processor(kit.compose_config("qwen3_vl").model))
+    assert media_kinds(model, encoder) == (IMAGES, VIDEOS)  # its recipe feeds clips
     assert media_kinds(kit.load_recipe("llava").build_model(kit.compose_config("llava").model, "sdpa")) == (IMAGES,)
     calls = []
     hook = model.model.visual.register_forward_hook(lambda *_: calls.append(1))
@@ -33,3 +35,30 @@ def test_the_encoder_runs_as_often_whatever_the_micro_batch_holds():
     finally:
         hook.remove()
     assert len(calls) == 2 and float(loss) == 0.0
+
+
+def test_gemma4_feeds_no_video_and_its_video_path_has_no_parameter_of_its_own():
+    """Gemma 4's model takes video (``Gemma4Model.get_video_features``) but its recipe feeds none: the fed kinds
+    decide, so a micro-batch runs no dummy video pass, and needs none: every parameter the video path reaches, the
+    image path (the dummy pass) reaches too, so every trainable parameter still takes part in every backward."""
+    recipe = kit.load_recipe("gemma4")
+    cfg = kit.compose_config("gemma4").model
+    model = recipe.build_model(cfg, "sdpa")
+    encoder = recipe.build_encoder(recipe.build_processor(cfg))
+    assert encoder.media_names == ("image",)
+    assert media_kinds(model.model) == (IMAGES, VIDEOS)  # what the model could encode
+    assert media_kinds(model.model, encoder) == media_kinds(model, encoder) == (IMAGES,)
+    assert [dummy_passes(batch, media_kinds(model, encoder)) for batch in ({}, {IMAGES.patch_key: torch.ones(1, 3)})] \
+        == [1, 0]
+    dummy = recipe.dummy_media(model)
+
+    def reached(outputs) -> set[str]:
+        model.zero_grad(set_to_none=True)
+        sum(t.sum() for t in outputs.pooler_output).backward()
+        return {name for name, param in model.named_parameters() if param.grad is not None}
+
+    image = reached(model.model.get_image_features(**dummy))
+    video = reached(model.model.get_video_features(pixel_values_videos=dummy["pixel_values"],
+                                                   video_position_ids=dummy["image_position_ids"],
+                                                   num_frames_per_video=torch.tensor([1])))
+    assert video and video <= image

@@ -85,6 +85,12 @@ class ChatTemplateEncoder:
         )
         self._special_tokens = sorted(set(self.tokenizer.all_special_tokens))
 
+    @property
+    def media_names(self) -> tuple[str, ...]:
+        """The media kinds (``MediaKind.name``) this encoder feeds: ``image``, and ``video`` where it sets a
+        ``video_token``. The engine runs dummy media passes for these kinds only (``participation.media_kinds``)."""
+        return tuple(kind for kind, _, _ in self._placeholders)
+
     # --------------------------------------------------------------------------------------------------- hooks
 
     def encode_images(self, images: list[Image.Image]) -> tuple[dict[str, torch.Tensor], list[int]]:
