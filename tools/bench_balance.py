@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mvp_engine.engine.flops import cost_profile
+from mvp_engine.engine.recipe import load_recipe
 from mvp_engine.engine.testing import launch, write_image
 from mvp_engine.kit.mllm.data import (
     CostProfile,
@@ -69,10 +69,11 @@ class Mix:
     profile: CostProfile
 
 
-def _meta_profile(model_cls, config) -> CostProfile:
+def _meta_profile(recipe: str, model_cls, config) -> CostProfile:
+    """The recipe's cost profile (its reading of the vision side) of a model of ``config``, built on meta."""
     with torch.device("meta"):
         model = model_cls._from_config(config)
-    return cost_profile(model)
+    return load_recipe(recipe).cost_profile(model, [])
 
 
 def llava_profile() -> CostProfile:
@@ -85,7 +86,7 @@ def llava_profile() -> CostProfile:
         vision_config={"model_type": "clip_vision_model", "hidden_size": 1024, "intermediate_size": 4096,
                        "num_hidden_layers": 24, "num_attention_heads": 16, "image_size": 336, "patch_size": 14},
         vision_feature_layer=-2, vision_feature_select_strategy="default", image_token_id=32000)
-    return _meta_profile(LlavaForConditionalGeneration, config)
+    return _meta_profile("llava", LlavaForConditionalGeneration, config)
 
 
 def qwen2_vl_profile() -> CostProfile:
@@ -98,7 +99,7 @@ def qwen2_vl_profile() -> CostProfile:
                      "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}},
         vision_config={"depth": 32, "embed_dim": 1280, "num_heads": 16, "mlp_ratio": 4, "hidden_size": 3584,
                        "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2})
-    return _meta_profile(Qwen2VLForConditionalGeneration, config)
+    return _meta_profile("qwen2_vl", Qwen2VLForConditionalGeneration, config)
 
 
 def llava_mix(n: int, rng: np.random.Generator) -> Mix:

@@ -6,17 +6,17 @@ weight per patch, fused MoE experts 2 x their weight x top_k / num_experts per t
 matrix 2 x its size per media token), sorted into language model, output head, vision tower and projector by module
 name; attention per (query, key) pair from the config (4 x heads x head_dim per layer, a layer's own head_dim where
 the config has ``per_layer_config``: QK^T and AV), full-attention and sliding-window layers apart (``lm_pair``,
-``lm_sliding_pair``, the window read from the config); the vision geometry from the config (``spatial_merge_size``,
-CLIP's CLS position under LLaVA's ``default`` feature strategy, the fixed image size of a stacked-image tower, pooled
-to ``mm_tokens_per_image`` where the config says so). Bidirectional blocks are the recipe's to declare (their field
-and layer types, ``CostProfile.block_field``; Gemma's image tokens). It works on a model
-built on the meta device (:func:`planning_cost_profile`), so planning needs no weights.
+``lm_sliding_pair``, the window read from the config). What differs by family is the recipe's to say, in its
+``cost_profile`` hook (``Recipe.cost_profile``), which calls :func:`cost_profile` with it: where the vision side sits
+(:class:`VisionParts`: its module names) and its geometry (the ``CostProfile`` fields that turn media tokens into
+patches: a merge or pooling of k x k patches, a CLS position, the fixed patch count of a stacked image or tile), and
+bidirectional blocks (their field and layer types, ``CostProfile.block_field``; Gemma's image tokens). It works on a
+model built on the meta device (:func:`planning_cost_profile`), so planning needs no weights.
 
 Backward: a matmul's backward computes the gradient of its input (when anything upstream trains) and of its weight
 (when the weight trains), each as many FLOPs as the forward; attention's backward is twice its forward when any
 gradient flows through it. Parameters no forward reaches (the recipe's ``unreachable_parameters``) cost their
-forward only. A recipe whose model this cannot read exposes ``cost_profile(model, unreachable) -> CostProfile``
-in its ``model.py`` (``Recipe.cost_profile``).
+forward only.
 
 :func:`batch_flops` counts a collated batch: useful FLOPs (real tokens, causal pairs per sample, the media) and
 executed FLOPs for the attention backend in use (``cost.attention_pairs``: a dense mask computes L^2 per row), plus
@@ -56,8 +56,6 @@ from mvp_engine.packing import (
 
 from .lora import add_adapters, idle_modules, lora_spec, running_module
 
-VISION_NAMES = ("visual", "vision_tower", "vision_model")
-PROJECTOR_NAMES = ("multi_modal_projector", "merger", "projector", "embed_vision")
 LINEAR_CHUNK = 64  # transformers' chunk_gated_delta_rule default
 FULL_ATTENTION_TYPES = ("full_attention", "chunked_attention")  # chunked (Llama 4): counted as full
 
@@ -73,24 +71,39 @@ GPU_PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
 # --- the profile ------------------------------------------------------------------------------------------------
 
 
-def _part(name: str) -> str:
-    """``head``, ``projector``, ``vision`` or ``language_model`` from a module's qualified name."""
-    pieces = name.split(".")
-    if any(piece in VISION_NAMES for piece in pieces):
-        return "projector" if any(p in piece for piece in pieces for p in PROJECTOR_NAMES) else "vision"
-    if any(p in piece for piece in pieces for p in PROJECTOR_NAMES):
-        return "projector"
-    return "language_model"
+@dataclass(frozen=True)
+class VisionParts:
+    """Where a model's vision side sits, by module name (each family names its own, so its recipe says them): a
+    module with a qualified-name piece in ``tower`` is the vision tower's, one with a piece containing a
+    ``projector`` name a projector's (inside the tower or not; each projector module a chain of its own), the rest
+    the language model's. The default: a text-only model."""
+
+    tower: tuple[str, ...] = ()
+    projector: tuple[str, ...] = ()
+
+    def part(self, name: str) -> str:
+        """``projector``, ``vision`` or ``language_model`` from a module's qualified name."""
+        pieces = name.split(".")
+        if any(p in piece for piece in pieces for p in self.projector):
+            return "projector"
+        return "vision" if any(piece in self.tower for piece in pieces) else "language_model"
+
+    def group(self, name: str) -> str:
+        """The top-most projector module a module belongs to (each merger / projector is a chain of its own)."""
+        pieces = name.split(".")
+        for k, piece in enumerate(pieces):
+            if any(p in piece for p in self.projector):
+                # a ModuleList of mergers (Qwen3-VL's deepstack) holds one chain per index
+                return ".".join(pieces[:k + 2 if k + 1 < len(pieces) and pieces[k + 1].isdigit() else k + 1])
+        return name
 
 
-def _group(name: str) -> str:
-    """The top-most projector module a module belongs to (each merger / projector is a chain of its own)."""
-    pieces = name.split(".")
-    for k, piece in enumerate(pieces):
-        if any(p in piece for p in PROJECTOR_NAMES):
-            # a ModuleList of mergers (Qwen3-VL's deepstack) holds one chain per index
-            return ".".join(pieces[:k + 2 if k + 1 < len(pieces) and pieces[k + 1].isdigit() else k + 1])
-    return name
+def fixed_image_patches(vision) -> int:
+    """Patches of one image (or tile) of a tower that takes a fixed size: ``image_size / patch_size`` each way (ints,
+    or (height, width) pairs), read from its vision config."""
+    (height, width), (patch_height, patch_width) = [
+        size if isinstance(size, (list, tuple)) else (size, size) for size in (vision.image_size, vision.patch_size)]
+    return (int(height) // int(patch_height)) * (int(width) // int(patch_width))
 
 
 def _attention_width(config) -> int:
@@ -137,14 +150,15 @@ class _Matmul:
     group: str  # the projector chain it belongs to
 
 
-def _matmuls(model: torch.nn.Module, unreachable: set[str], experts_share: float) -> list[_Matmul]:
+def _matmuls(model: torch.nn.Module, unreachable: set[str], experts_share: float,
+             parts: VisionParts) -> list[_Matmul]:
     head = running_module(model.get_output_embeddings())
     idle = idle_modules(model)  # LoRA's modules_to_save: the originals do not run
     found: list[_Matmul] = []
     for name, module in model.named_modules():
         if any(name == prefix or name.startswith(f"{prefix}.") for prefix in idle):
             continue
-        part = "head" if module is head else _part(name)
+        part = "head" if module is head else parts.part(name)
         weight = getattr(module, "weight", None)
         if isinstance(module, torch.nn.Linear):
             forward = 2 * module.in_features * module.out_features
@@ -162,7 +176,7 @@ def _matmuls(model: torch.nn.Module, unreachable: set[str], experts_share: float
             forward, weight = round(2 * sum(p.numel() for p in experts) * experts_share), experts[0]
         params = [f"{name}.{n}" if name else n for n, _ in module.named_parameters(recurse=False)]
         found.append(_Matmul(part, forward, bool(weight.requires_grad),
-                             not all(p in unreachable for p in params), _group(name)))
+                             not all(p in unreachable for p in params), parts.group(name)))
     return found
 
 
@@ -170,24 +184,30 @@ RATE_OF_PART = {"language_model": "lm_token", "head": "lm_head_token", "projecto
                 "vision": "vision_position", "patch_embed": "vision_patch"}
 
 
-def cost_profile(model: torch.nn.Module, unreachable: Iterable[str] = ()) -> CostProfile:
+def cost_profile(model: torch.nn.Module, unreachable: Iterable[str] = (), parts: VisionParts = VisionParts(),
+                 **geometry: int) -> CostProfile:
     """The cost profile of ``model`` as it will train (its ``requires_grad`` flags; ``unreachable``: parameters no
-    forward reaches, which cost no backward). Works on a meta-device model."""
+    forward reaches, which cost no backward), its vision side where ``parts`` says, ``geometry`` the
+    ``CostProfile`` fields its recipe reads from the config (``patches_per_media_token``,
+    ``extra_positions_per_item``, ``item_patches``, ``tile_tokens``). Works on a meta-device model."""
     model = unwrap_model(model)
     config = model.config
     text = config.get_text_config()
     vision = getattr(config, "vision_config", None)
+    if vision is not None and not parts.tower:
+        raise ValueError(f"{type(model).__name__} has a vision tower: its recipe's cost_profile hook says where it "
+                         "sits (flops.VisionParts) and how its patches become media tokens")
     unreachable = set(unreachable)
     experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
     top_k = getattr(text, "num_experts_per_tok", None)
-    matmuls = _matmuls(model, unreachable, (top_k / experts) if experts and top_k else 1.0)
+    matmuls = _matmuls(model, unreachable, (top_k / experts) if experts and top_k else 1.0, parts)
     head = model.get_output_embeddings()
     head_params = {id(p) for p in head.parameters()} if head is not None else set()
 
-    def trains(*parts: str) -> bool:
+    def trains(*names: str) -> bool:
         return any(p.requires_grad for n, p in model.named_parameters()
                    if id(p) not in head_params and n not in unreachable
-                   and _part(n).replace("patch_embed", "vision") in parts)
+                   and parts.part(n) in names)
 
     vision_trains, projector_trains = trains("vision"), trains("projector")
     lm_grad = trains("language_model") or vision_trains or projector_trains  # a gradient flows through the LM
@@ -218,33 +238,15 @@ def cost_profile(model: torch.nn.Module, unreachable: Iterable[str] = ()) -> Cos
         profile["linear_chunk"] = LINEAR_CHUNK
     if vision is not None:
         heads = getattr(vision, "num_attention_heads", None) or getattr(vision, "num_heads", None)
-        head_dim = getattr(vision, "head_dim", None)  # Gemma 4's tower: heads x head_dim is not its hidden size
+        head_dim = getattr(vision, "head_dim", None)  # where set, heads x head_dim need not be the hidden size
         width = int(heads) * int(head_dim) if heads and head_dim else int(getattr(vision, "embed_dim", None)
                                                                           or vision.hidden_size)
         blocks = [(name, m) for name, m in model.named_modules()
-                  if _part(name) == "vision" and type(m).__name__.endswith("Attention")]
+                  if parts.part(name) == "vision" and type(m).__name__.endswith("Attention")]
         reached = [name for name, m in blocks
                    if any(f"{name}.{n}" not in unreachable for n, _ in m.named_parameters())]
         profile["vision_pair"] = Rate(4 * width * len(blocks), 8 * width * len(reached) if vision_trains else 0)
-        merge = int(getattr(vision, "spatial_merge_size", None) or getattr(vision, "pooling_kernel_size", None) or 1)
-        profile["patches_per_media_token"] = merge * merge  # merged (Qwen) or pooled (Gemma 4) k x k patches
-        shuffle = getattr(config, "downsample_ratio", None)  # InternVL's pixel shuffle: 1 / ratio^2 patches a token
-        if shuffle:
-            profile["patches_per_media_token"] = round(1 / float(shuffle) ** 2)
-        strategy = getattr(config, "vision_feature_select_strategy", None)
-        has_cls = "clip" in str(getattr(vision, "model_type", "")) or any(
-            name.endswith(".embeddings.cls_token") for name, _ in model.named_parameters())  # InternViT's
-        profile["extra_positions_per_item"] = 1 if has_cls and strategy == "default" else 0
-        if getattr(vision, "image_size", None) and (merge == 1 or shuffle):
-            sizes = [vision.image_size, vision.patch_size]  # ints, or (height, width) pairs
-            sizes = [size if isinstance(size, (list, tuple)) else (size, size) for size in sizes]
-            profile["item_patches"] = (int(sizes[0][0]) // int(sizes[1][0])) * (int(sizes[0][1]) // int(sizes[1][1]))
-            pooled = getattr(config, "mm_tokens_per_image", None)  # Gemma 3: patches average-pooled to n tokens
-            if pooled:
-                profile["patches_per_media_token"] = profile["item_patches"] // int(pooled)
-            if shuffle:  # InternVL: the stacked items are an image's tiles
-                profile["tile_tokens"] = profile["item_patches"] // profile["patches_per_media_token"]
-    return CostProfile(**profile)
+    return CostProfile(**profile, **geometry)
 
 
 def recipe_cost_profile(recipe, model: torch.nn.Module) -> CostProfile:

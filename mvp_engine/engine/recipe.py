@@ -32,8 +32,9 @@ class Recipe:
     runs zero-weighted on micro-batches without media; ``unreachable_parameters(model)`` names parameters no
     forward can reach, which the engine freezes (both: ``mvp_engine.engine.participation``).
 
-    ``cost_profile(model, unreachable)`` (optional) returns the model's ``CostProfile`` where the engine's generic
-    reading (``mvp_engine.engine.flops.cost_profile``) gets it wrong; leave it None otherwise.
+    ``cost_profile(model, unreachable)`` returns the model's ``CostProfile``: for a VLM the engine's generic
+    reading (``mvp_engine.engine.flops.cost_profile``) given where its vision tower and projector sit and its vision
+    geometry, both family facts; None (a text-only model) is the generic reading alone.
     """
 
     name: str

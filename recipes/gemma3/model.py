@@ -14,7 +14,7 @@ language model's varlen kwargs cannot reach it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,12 +22,15 @@ import torch
 from transformers import Gemma3Config, Gemma3ForConditionalGeneration, PreTrainedTokenizerBase
 from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
+from mvp_engine.engine import flops
 from mvp_engine.engine.builders import ProcessorBundle, build_hf_model, build_processor_bundle, to_plain
+from mvp_engine.kit.mllm.data import CostProfile
 from mvp_engine.packing import sub_model_attention, unwrap_model
 from recipes.gemma.tokens import BOI_TOKEN, EOI_TOKEN, IMAGE_SOFT_TOKEN
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TOKENIZER_DIR = REPO_ROOT / "assets" / "tokenizers" / "gemma3"
+VISION = flops.VisionParts(tower=("vision_tower",), projector=("multi_modal_projector",))
 
 
 @dataclass
@@ -94,3 +97,12 @@ def dummy_media(model) -> dict:
     image-free micro-batches."""
     vision = unwrap_model(model).config.vision_config
     return {"pixel_values": torch.zeros(1, vision.num_channels, vision.image_size, vision.image_size)}
+
+
+def cost_profile(model: torch.nn.Module, unreachable: Iterable[str] = ()) -> CostProfile:
+    """The engine's cost profile (``mvp_engine.engine.flops``) of Gemma 3's vision side: every image the SigLIP
+    tower's fixed patch count, average-pooled into ``mm_tokens_per_image`` soft tokens."""
+    config = unwrap_model(model).config
+    patches = flops.fixed_image_patches(config.vision_config)
+    return flops.cost_profile(model, unreachable, VISION, item_patches=patches,
+                              patches_per_media_token=patches // int(config.mm_tokens_per_image))

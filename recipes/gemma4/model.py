@@ -39,6 +39,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TOKENIZER_DIR = REPO_ROOT / "assets" / "tokenizers" / "gemma4"
 TYPE_FIELD = "mm_token_type_ids"
 IMAGE_TYPE = 1  # transformers' create_mm_token_type_ids: 1 = image soft token
+VISION = flops.VisionParts(tower=("vision_tower",), projector=("embed_vision",))
 BLOCK_LAYER_TYPES = ("sliding_attention",)  # use_bidirectional_attention="vision": no blocks in the full layers
 
 
@@ -119,13 +120,15 @@ def dummy_media(model) -> dict:
 
 
 def cost_profile(model: torch.nn.Module, unreachable: Iterable[str] = ()) -> CostProfile:
-    """The engine's profile plus what it cannot read from the model: each image's soft tokens are one bidirectional
-    block in the sliding layers (``mm_token_type_ids`` 1), and the vision pooler averages k x k patches by a one-hot
+    """The engine's profile (``mvp_engine.engine.flops``) of Gemma 4's vision side, one soft token per k x k
+    pooled patches, plus what it cannot read from the model: each image's soft tokens are one bidirectional block
+    in the sliding layers (``mm_token_type_ids`` 1), and the vision pooler averages k x k patches by a one-hot
     matmul over all of an image's (padded) patches: 2 x hidden / k² FLOPs per (patch, patch) pair of an image, with
     the gradient of the vision states when the vision tower trains."""
-    profile = flops.cost_profile(model, unreachable)
     vision = unwrap_model(model).config.vision_config
-    pool = 2 * int(vision.hidden_size) // int(vision.pooling_kernel_size) ** 2
+    k = int(vision.pooling_kernel_size)
+    profile = flops.cost_profile(model, unreachable, VISION, patches_per_media_token=k * k)
+    pool = 2 * int(vision.hidden_size) // k ** 2
     vision_trains = any(p.requires_grad for n, p in unwrap_model(model).named_parameters()
                         if "vision_tower" in n and n not in set(unreachable))
     return dataclasses.replace(profile, block_field=TYPE_FIELD, block_values=(IMAGE_TYPE,), full_blocks=False,

@@ -27,7 +27,7 @@ from transformers.models.glm4v.modeling_glm4v import Glm4vModel, Glm4vPreTrained
 
 from mvp_engine.engine.builders import build_hf_model, build_processor_bundle, to_plain
 from mvp_engine.packing import FLASH_BACKENDS, sub_model_attention
-from recipes.qwen import QwenProcessorBundle, qwen_dummy_media
+from recipes.qwen import QwenProcessorBundle, qwen_cost_profile, qwen_dummy_media
 
 from .tokens import BEGIN_IMAGE, BEGIN_VIDEO, END_IMAGE, END_VIDEO, IMAGE_TOKEN, PAD_TOKEN, VIDEO_TOKEN
 from .video import Glm4vVideoProcessor
@@ -125,3 +125,4 @@ def build_model(model_cfg: Mapping | None, attn_implementation: str = "sdpa",
 
 
 dummy_media = qwen_dummy_media  # one merged token of zero pixels: the vision tower's layout is Qwen2-VL's
+cost_profile = qwen_cost_profile  # and so are its module names (visual, merger) and its 2 x 2 merge

@@ -18,7 +18,7 @@ language model's varlen kwargs cannot reach the tower.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,13 +26,16 @@ import torch
 from transformers import InternVLConfig, InternVLForConditionalGeneration, PreTrainedTokenizerBase
 from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 
+from mvp_engine.engine import flops
 from mvp_engine.engine.builders import ProcessorBundle, build_hf_model, build_processor_bundle, to_plain
+from mvp_engine.kit.mllm.data import CostProfile
 from mvp_engine.packing import sub_model_attention, unwrap_model
 
 from .tokens import CONTEXT_IMAGE_TOKEN, IM_END_TOKEN, PAD_TOKEN
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TOKENIZER_DIR = REPO_ROOT / "assets" / "tokenizers" / "internvl"
+VISION = flops.VisionParts(tower=("vision_tower",), projector=("multi_modal_projector",))
 
 
 @dataclass
@@ -119,3 +122,15 @@ def dummy_media(model) -> dict:
     """``get_image_features`` kwargs for one black tile; run zero-weighted on image-free micro-batches."""
     vision = unwrap_model(model).config.vision_config
     return {"pixel_values": torch.zeros(1, vision.num_channels, *vision.image_size)}
+
+
+def cost_profile(model: torch.nn.Module, unreachable: Iterable[str] = ()) -> CostProfile:
+    """The engine's cost profile (``mvp_engine.engine.flops``) of InternVL's vision side: the stacked items are
+    tiles of the tower's fixed size, :func:`tokens_per_tile` context tokens each (the pixel shuffle merges
+    1 / ``downsample_ratio``² patches into one), and InternViT's CLS position, attended over by the tower and
+    dropped from the tokens by the ``default`` strategy."""
+    config = unwrap_model(model).config
+    per_token, patches = round(1 / float(config.downsample_ratio) ** 2), flops.fixed_image_patches(config.vision_config)
+    cls = config.vision_feature_select_strategy == "default"
+    return flops.cost_profile(model, unreachable, VISION, patches_per_media_token=per_token, item_patches=patches,
+                              extra_positions_per_item=int(cls), tile_tokens=tokens_per_tile(config))

@@ -16,7 +16,7 @@ compilation for no gain.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,13 +24,16 @@ import torch
 from transformers import LlavaConfig, LlavaForConditionalGeneration, PreTrainedTokenizerBase
 from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
+from mvp_engine.engine import flops
 from mvp_engine.engine.builders import ProcessorBundle, build_hf_model, build_processor_bundle, to_plain
+from mvp_engine.kit.mllm.data import CostProfile
 from mvp_engine.packing import sub_model_attention, unwrap_model
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TOKENIZER_DIR = REPO_ROOT / "assets" / "tokenizers" / "llava"
 
 IMAGE_TOKEN = "<image>"
+VISION = flops.VisionParts(tower=("vision_tower",), projector=("multi_modal_projector",))
 
 
 @dataclass
@@ -122,3 +125,14 @@ def unreachable_parameters(model) -> list[str]:
     unused_prefixes = [f"encoder.layers.{i}." for i in range(used, depth)] + ["post_layernorm."]
     return [name for name, _ in inner.named_parameters()
             if ".vision_tower." in f".{name}" and any(p in name for p in unused_prefixes)]
+
+
+def cost_profile(model: torch.nn.Module, unreachable: Iterable[str] = ()) -> CostProfile:
+    """The engine's cost profile (``mvp_engine.engine.flops``) of LLaVA's vision side: every image the tower's fixed
+    patch count, one token each, and a CLIP tower's CLS position, which the tower attends over but the ``default``
+    strategy drops from the image's tokens (under ``full`` it is one of them)."""
+    config = unwrap_model(model).config
+    vision = config.vision_config
+    cls = "clip" in vision.model_type and config.vision_feature_select_strategy == "default"
+    return flops.cost_profile(model, unreachable, VISION, item_patches=flops.fixed_image_patches(vision),
+                              extra_positions_per_item=int(cls))

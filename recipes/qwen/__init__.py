@@ -7,7 +7,7 @@ a family package, not a recipe (no entry point, no config), written once and imp
   sampling, sizes, timestamps and patch layout with numpy/PIL.
 - ``processor``: :class:`QwenProcessorBundle` / :func:`build_qwen_processor` (tokenizer, image and video processors).
 - ``model``: :func:`build_qwen_model` (pretrained or a tiny seeded init wired to the tokenizer's special tokens),
-  :func:`qwen_dummy_media`.
+  :func:`qwen_dummy_media`, :func:`qwen_cost_profile` (where the cost model finds the vision tower and merger).
 - ``encoder``: :class:`QwenSampleEncoder` (ChatML, Qwen2-VL's video text) and :class:`Qwen3SampleEncoder`
   (Qwen3-VL's timestamped frame runs).
 - ``packed``: ``prepare_packed`` / ``prepare_padded`` with per-segment M-RoPE, which each recipe binds to its own
@@ -15,7 +15,7 @@ a family package, not a recipe (no entry point, no config), written once and imp
 """
 
 from .encoder import Qwen3SampleEncoder, QwenSampleEncoder
-from .model import build_qwen_model, qwen_dummy_media, qwen_tiny_config
+from .model import build_qwen_model, qwen_cost_profile, qwen_dummy_media, qwen_tiny_config
 from .packed import media_kwargs, mm_token_type_ids, packed_position_ids, prepare_packed, prepare_padded
 from .processor import QwenProcessorBundle, build_qwen_processor
 from .video import Qwen3VideoProcessor, QwenVideoProcessor
@@ -33,6 +33,7 @@ __all__ = [
     "packed_position_ids",
     "prepare_packed",
     "prepare_padded",
+    "qwen_cost_profile",
     "qwen_dummy_media",
     "qwen_tiny_config",
 ]

@@ -23,6 +23,7 @@ from recipes.qwen import (
     QwenVideoProcessor,
     build_qwen_model,
     build_qwen_processor,
+    qwen_cost_profile,
     qwen_dummy_media,
 )
 
@@ -43,4 +44,5 @@ build_processor = partial(build_qwen_processor, tokenizer_dir=DEFAULT_TOKENIZER_
 build_model = partial(build_qwen_model, Qwen2VLForConditionalGeneration, Qwen2VLConfig,
                       tokenizer_dir=DEFAULT_TOKENIZER_DIR, vision_out="hidden_size")
 dummy_media = qwen_dummy_media
+cost_profile = qwen_cost_profile
 Qwen2VLProcessorBundle = QwenProcessorBundle  # the recipe's name for the shared bundle

@@ -29,6 +29,7 @@ from recipes.qwen import (
     QwenProcessorBundle,
     build_qwen_model,
     build_qwen_processor,
+    qwen_cost_profile,
     qwen_dummy_media,
 )
 
@@ -79,3 +80,4 @@ def build_model(model_cfg: Mapping | None, attn_implementation: str = "sdpa") ->
 
 
 dummy_media = qwen_dummy_media
+cost_profile = qwen_cost_profile

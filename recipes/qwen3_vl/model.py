@@ -19,7 +19,13 @@ from pathlib import Path
 
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-from recipes.qwen import Qwen3VideoProcessor, build_qwen_model, build_qwen_processor, qwen_dummy_media
+from recipes.qwen import (
+    Qwen3VideoProcessor,
+    build_qwen_model,
+    build_qwen_processor,
+    qwen_cost_profile,
+    qwen_dummy_media,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TOKENIZER_DIR = REPO_ROOT / "assets" / "tokenizers" / "qwen3_vl"
@@ -41,3 +47,4 @@ build_processor = partial(build_qwen_processor, tokenizer_dir=DEFAULT_TOKENIZER_
 build_model = partial(build_qwen_model, Qwen3VLForConditionalGeneration, Qwen3VLConfig,
                       tokenizer_dir=DEFAULT_TOKENIZER_DIR, vision_out="out_hidden_size")
 dummy_media = qwen_dummy_media
+cost_profile = qwen_cost_profile
