@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train-demo test lint bench
+.PHONY: setup train-demo test test-fast lint bench
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,8 +19,14 @@ setup: $(STAMP)
 train-demo: $(STAMP)
 	$(PY) -m recipes.qwen2_vl.train +packing=greedy
 
+# the whole suite (CI's command); TEST_REPORT=dir: every test's duration printed and a JUnit XML in dir
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q --durations=$(if $(TEST_REPORT),0,25) $(if $(TEST_REPORT),--junitxml=$(TEST_REPORT)/junit.xml)
+
+# the inner loop: no process launches, no slow end-to-end runs (a test that starts processes here fails, naming
+# the marker it lacks)
+test-fast: $(STAMP)
+	VLM_PACKING_NO_LAUNCH=1 $(PY) -m pytest -q -m "not slow and not launch" --durations=10
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -4,7 +4,8 @@ The case: real records (PIL images written to a temp dir: image samples, text-on
 multi-turn sample, and a PyAV clip when the recipe's encoder takes video) encoded by the recipe's own encoder,
 packed into two rows that both end in padding through the
 DataKit's ``MLLMPack`` / ``MLLMCollator`` (the batches training sees). The reference: each sample alone, through
-the recipe's ``prepare_padded`` on a one-row batch without padding (the model's own positions and causal mask).
+the recipe's ``prepare_padded`` on a one-row batch without padding (the model's own positions and causal mask),
+computed once per case on sdpa in fp32 and shared by every backend compared on CPU (``one_by_one_reference``).
 Compared, in fp32 on CPU for eager / sdpa / flex_attention (flash: CUDA and bf16 only):
 
 - logits of every segment: max abs difference <= ``tol`` (1e-5);
@@ -62,6 +63,7 @@ class EquivalenceCase:
     samples: list[MLLMSample]
     rows: list[list[MLLMSample]]
     batch: dict
+    reference: OneByOne | None = field(default=None, repr=False)  # filled by ``one_by_one_reference``
 
     @property
     def pad_token_id(self) -> int:
@@ -159,15 +161,57 @@ def _to(batch: dict, device: str) -> dict:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
-def _relative_grad_diff(params, packed_grads) -> tuple[float, list[str]]:
+def _relative_grad_diff(names: list[str], packed_grads, reference_grads) -> tuple[float, list[str]]:
     worst, problems = 0.0, []
-    for (name, p), g_packed in zip(params, packed_grads):
-        ref = p.grad if p.grad is not None else torch.zeros_like(p)
+    for name, g_packed, ref in zip(names, packed_grads, reference_grads):
         if ref.norm() > 1e-8:
             worst = max(worst, ((g_packed - ref).norm() / ref.norm()).item())
         elif g_packed.abs().max() > 1e-8:
             problems.append(f"FAIL: {name} has a packed gradient but no one-by-one gradient")
     return worst, problems
+
+
+def _grads(params) -> list[torch.Tensor]:
+    return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for _, p in params]
+
+
+@dataclass
+class OneByOne:
+    """Each sample of the case alone, through the recipe's ``prepare_padded`` on sdpa in fp32: the logits of every
+    segment (``case.segments()`` order), the token-weighted mean of their losses, the supervised-token count and the
+    gradient of that loss per parameter name."""
+
+    logits: list[torch.Tensor]
+    loss: float
+    supervised: float
+    grads: dict[str, torch.Tensor]
+
+
+def _one_by_one(case: EquivalenceCase, model, backend: str, device: str):
+    """Logits per segment, the separate-loss tensor (not yet differentiated) and the supervised-token count."""
+    logits, means, counts = [], [], []
+    for *_, sample in case.segments():
+        alone = _to(case.alone(sample), device)
+        ref = model(**case.recipe.prepare_padded(alone, model, backend)).logits
+        logits.append(ref[0].detach())
+        part = weighted_token_loss(ref, alone["labels"], alone["pack_segment_ids"], "token")
+        if part.weight_total > 0:
+            means.append(part.weighted_sum / part.weight_total)
+            counts.append(part.weight_total)
+    return logits, sum(m * n for m, n in zip(means, counts)) / sum(counts), float(sum(counts))
+
+
+def one_by_one_reference(case: EquivalenceCase) -> OneByOne:
+    """The case's one-by-one reference, computed once and shared by every packed backend compared on CPU in fp32
+    (and the flash kwargs check): one reference for all backends also catches a backend that is wrong packed and
+    unpacked alike, which comparing each backend with itself cannot."""
+    if case.reference is None:
+        model = case.recipe.build_model(case.model_cfg, "sdpa").eval()
+        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        logits, loss, supervised = _one_by_one(case, model, "sdpa", "cpu")
+        loss.backward()
+        case.reference = OneByOne(logits, loss.item(), supervised, dict(zip([n for n, _ in params], _grads(params))))
+    return case.reference
 
 
 def with_random_adapters(model: torch.nn.Module, lora: LoraSpec, seed: int = 0) -> torch.nn.Module:
@@ -207,6 +251,8 @@ def run_equivalence(case: EquivalenceCase, backend: str, *, prepare_packed: Call
     batch = _to(case.batch, device)
     notes = [] if grads else [f"gradients not checked: torch's FlexAttention has no backward on {device}"]
 
+    shared = lora is None and device == "cpu" and dtype == torch.float32
+    reference = one_by_one_reference(case) if shared else None
     with torch.set_grad_enabled(grads):
         logits = model(**prepare(batch, model, backend)).logits
         packed = weighted_token_loss(logits, batch["labels"], batch["pack_segment_ids"], "token")
@@ -214,40 +260,37 @@ def run_equivalence(case: EquivalenceCase, backend: str, *, prepare_packed: Call
         packed_grads = []
         if grads:
             packed_loss.backward()
-            packed_grads = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for _, p in params]
+            packed_grads = _grads(params)
             model.zero_grad(set_to_none=True)
-
-        reference_backend = backend
-        if backend == FLEX and device == "cpu":
-            # transformers' own (unpacked) flex path on CPU gives NaN or run-to-run different logits for short
-            # unpadded rows (measured: a 40-token LLaVA sample, 4 of 4 runs); the packed side is deterministic and
-            # matches sdpa, so the one-by-one reference runs sdpa on the same weights here
-            model.set_attn_implementation({"text_config": "sdpa"})
-            reference_backend = "sdpa"
-            notes.append("one-by-one reference on sdpa (transformers' unpacked flex path is unstable on CPU)")
-        diffs, means, counts = [], [], []
-        for row, start, end, sample in case.segments():
-            alone = _to(case.alone(sample), device)
-            ref = model(**case.recipe.prepare_padded(alone, model, reference_backend)).logits
-            diffs.append(SegmentDiff(row, start, end, sample.sample_id,
-                                     (logits[row, start:end].detach() - ref[0].detach()).abs().max().float().item()))
-            part = weighted_token_loss(ref, alone["labels"], alone["pack_segment_ids"], "token")
-            if part.weight_total > 0:
-                means.append(part.weighted_sum / part.weight_total)
-                counts.append(part.weight_total)
-        separate_loss = sum(m * n for m, n in zip(means, counts)) / sum(counts)
-        alone_total, packed_total = float(sum(counts)), float(packed.weight_total)
-        if alone_total != packed_total:
-            notes.append(f"FAIL: {alone_total} supervised tokens one by one, {packed_total} packed")
+        if reference is not None:
+            ref_logits, separate_loss, alone_total = reference.logits, reference.loss, reference.supervised
+            ref_grads = [reference.grads[name] for name, _ in params]
+            notes.append("one-by-one reference: sdpa, fp32, shared by every backend of the case")
+        else:
+            reference_backend = backend
+            if backend == FLEX and device == "cpu":
+                # transformers' own (unpacked) flex path on CPU gives NaN or run-to-run different logits for short
+                # unpadded rows (measured: a 40-token LLaVA sample, 4 of 4 runs): the reference runs sdpa
+                model.set_attn_implementation({"text_config": "sdpa"})
+                reference_backend = "sdpa"
+            ref_logits, loss, alone_total = _one_by_one(case, model, reference_backend, device)
+            if grads:
+                loss.backward()
+                ref_grads = _grads(params)
+            separate_loss = loss.detach().item()
+        diffs = [SegmentDiff(row, start, end, sample.sample_id,
+                             (logits[row, start:end].detach() - ref).abs().max().float().item())
+                 for (row, start, end, sample), ref in zip(case.segments(), ref_logits)]
+        if alone_total != float(packed.weight_total):
+            notes.append(f"FAIL: {alone_total} supervised tokens one by one, {float(packed.weight_total)} packed")
         grad_diff = None
         if grads:
-            separate_loss.backward()
-            grad_diff, problems = _relative_grad_diff(params, packed_grads)
+            grad_diff, problems = _relative_grad_diff([n for n, _ in params], packed_grads, ref_grads)
             notes += problems
     if lora is not None:
         backend = f"{backend} + LoRA r={lora.r} on {lora.target_modules}"
     return EquivalenceReport(case.recipe.name, backend, str(dtype).removeprefix("torch."), diffs,
-                             packed_loss.detach().item(), separate_loss.detach().item(), grad_diff, tol, notes)
+                             packed_loss.detach().item(), separate_loss, grad_diff, tol, notes)
 
 
 def without_linear_boundaries(prepare_packed: Callable) -> Callable:
@@ -313,9 +356,8 @@ def check_flash_kwargs_with_reference_attention(case: EquivalenceCase, backend: 
     assert torch.equal(kwargs["cu_seq_lens_q"], case.batch["cu_seqlens"].to(torch.int32))
     assert kwargs["max_length_q"] == case.batch["max_seqlen"]
 
+    references = one_by_one_reference(case).logits
     with torch.no_grad():
-        references = [model(**case.recipe.prepare_padded(case.alone(s), model, "sdpa")).logits[0]
-                      for *_, s in case.segments()]
         model.set_attn_implementation({"text_config": SDPA_VARLEN})
         logits = model(**kwargs).logits
     worst = max((logits[row, start:end] - ref).abs().max().item()

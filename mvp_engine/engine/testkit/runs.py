@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import io
 import os
+import shutil
 import socket
 import subprocess
 import tempfile
@@ -161,9 +162,11 @@ def _pool(nproc: int) -> RankPool:
 
 
 @atexit.register
-def _stop_pools() -> None:
+def _end_session() -> None:
     for pool in _POOLS.values():
         pool.stop()
+    for root in _ROOT:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def train(recipe: str, run_dir: Path, overrides: Sequence[str] = (), nproc: int = 1, timeout: float = 600,
@@ -188,7 +191,14 @@ def train(recipe: str, run_dir: Path, overrides: Sequence[str] = (), nproc: int 
 
 
 _CACHE: dict[tuple, Path] = {}
-_CACHE_ROOT: list[Path] = []
+_ROOT: list[Path] = []
+
+
+def _session_root() -> Path:
+    """One temporary folder per test session for what its tests share (reference runs, data sets)."""
+    if not _ROOT:
+        _ROOT.append(Path(tempfile.mkdtemp(prefix="vlm_packing_session_")))
+    return _ROOT[0]
 
 
 def cached_run(recipe: str, overrides: Sequence[str], nproc: int = 1) -> Path:
@@ -197,9 +207,7 @@ def cached_run(recipe: str, overrides: Sequence[str], nproc: int = 1) -> Path:
     their order does not matter). Tests must only read it."""
     key = (recipe, nproc, tuple(sorted(overrides)))
     if key not in _CACHE:
-        if not _CACHE_ROOT:
-            _CACHE_ROOT.append(Path(tempfile.mkdtemp(prefix="vlm_packing_runs_")))
-        run_dir = _CACHE_ROOT[0] / f"{recipe}_{nproc}_{len(_CACHE)}"
+        run_dir = _session_root() / f"run_{recipe}_{nproc}_{len(_CACHE)}"
         train(recipe, run_dir, overrides, nproc=nproc)
         _CACHE[key] = run_dir
     return _CACHE[key]
@@ -214,6 +222,11 @@ def shared_mixed_jsonl(num_records: int = 11) -> Path:
     from .records import write_mixed_jsonl
 
     if num_records not in _DATA:
-        _DATA[num_records] = write_mixed_jsonl(Path(tempfile.mkdtemp(prefix=f"vlm_packing_mixed_{num_records}_")),
-                                               num_records)
+        _DATA[num_records] = write_mixed_jsonl(_session_root() / f"mixed_{num_records}", num_records)
     return _DATA[num_records]
+
+
+def session_demo_dir(num_samples: int, seed: int, videos: bool) -> Path:
+    """The session's demo folder for these settings (the writer fills it on first use; later runs find it there
+    and the measure cache, keyed on the file, hits)."""
+    return _session_root() / f"demo_{num_samples}_{seed}_{'videos' if videos else 'images'}"

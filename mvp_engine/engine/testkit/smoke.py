@@ -7,17 +7,21 @@ from pathlib import Path
 
 from ..demo import with_demo_data
 from ..trainer import Trainer
+from .runs import session_demo_dir
 from .structure import compose_config, load_recipe, packing_overrides
 
 
 def smoke_trainer(name: str, packing: str | None, output_dir: Path, overrides: tuple[str, ...] = ()) -> Trainer:
     """The trainer of a short real training run on the demo data, built and not yet run (a test that needs the
-    trained model in memory runs it itself)."""
+    trained model in memory runs it itself). The demo set is the session's for its settings, so it is written
+    (images and clips) and measured once, not per test."""
     cfg = compose_config(name, [
         *packing_overrides(packing), "demo.num_samples=48", "data.max_seq_len=512", "train.epochs=2",
         "train.micro_batch_size=2", "train.learning_rate=5e-3", "train.warmup_ratio=0.0",
-        f"train.output_dir={output_dir}", f"demo.out_dir={output_dir.parent / 'demo'}", *overrides,
+        f"train.output_dir={output_dir}", *overrides,
     ])
+    if not any(o.startswith("demo.out_dir=") for o in overrides):
+        cfg.demo.out_dir = str(session_demo_dir(cfg.demo.num_samples, cfg.demo.seed, cfg.demo.videos))
     return Trainer(with_demo_data(cfg), load_recipe(name))
 
 
