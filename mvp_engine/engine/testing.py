@@ -10,8 +10,9 @@ This module is the kit's public entry point; the checks live in ``mvp_engine.eng
   records packed by the DataKit, for every backend this machine runs; the flash kwargs through a CPU reference;
   a hybrid model's linear-attention boundaries withheld must be caught
   (``check_withheld_linear_boundaries_are_caught``).
-- ``encoders``: measure == encode, assistant-only labels, errors naming the record, save/load round trip, a
-  reproducible tokenizer asset, no torchvision needed.
+- ``encoders``: measure == encode, assistant-only labels, errors naming the record, the encoding equal to the
+  family's transformers processor's (``check_encoder_matches_processor``), save/load round trip, a reproducible
+  tokenizer asset, no torchvision needed.
 - ``participation``: declared-unreachable parameters really get no gradient; the dummy media pass reaches every
   media parameter with an exact zero.
 - ``recompute``: activation checkpointing gives the same loss and gradients on the packed case, and really
@@ -34,12 +35,16 @@ from .testkit.context_parallel import (
     split_inside_media,
 )
 from .testkit.encoders import (
+    EncoderVideoProcessor,
+    ProcessorComparison,
     check_assistant_only_labels,
     check_bad_records_name_origin,
+    check_encoder_matches_processor,
     check_measure_equals_encode,
     check_no_torchvision,
     check_save_load_round_trip,
     check_tokenizer_asset,
+    transformers_processor,
 )
 from .testkit.equivalence import (
     LEAK_FLOOR,
@@ -103,13 +108,16 @@ __all__ = [
     "TOL",
     "CheckResult",
     "EquivalenceCase",
+    "EncoderVideoProcessor",
     "EquivalenceReport",
+    "ProcessorComparison",
     "RecomputeReport",
     "assistant",
     "backward_available",
     "check_all_combinations_compose",
     "check_assistant_only_labels",
     "check_bad_records_name_origin",
+    "check_encoder_matches_processor",
     "check_dummy_media_pass",
     "check_flash_kwargs_with_reference_attention",
     "check_measure_equals_encode",
@@ -146,6 +154,7 @@ __all__ = [
     "start",
     "system",
     "text",
+    "transformers_processor",
     "user",
     "validate_recipe",
     "validation_config",

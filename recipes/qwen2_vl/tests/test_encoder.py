@@ -1,13 +1,20 @@
-"""The Qwen2-VL encoder and artifacts (the kit's ``EncoderSuite``): measure == encode, assistant-only labels,
-errors naming the record, save/load round trip, a reproducible tokenizer asset, no torchvision needed."""
+"""The Qwen2-VL encoder and artifacts (the kit's ``EncoderSuite``): measure == encode on many images and clips,
+assistant-only labels, errors naming the record, the encoding equal to transformers' ``Qwen2VLProcessor``'s on
+images, clips and text, save/load round trip, a reproducible tokenizer asset; vision markers never supervised."""
 
 import torch
+from transformers import Qwen2VLProcessor
 
+import mvp_engine.engine.testing as kit
 from mvp_engine.engine.testkit.suites import EncoderSuite
 
 
 class TestEncoder(EncoderSuite):
     recipe = "qwen2_vl"
+
+    @classmethod
+    def hf_processor(cls, encoder):
+        return kit.transformers_processor(Qwen2VLProcessor, encoder)
 
 
 def test_vision_tokens_are_never_supervised(encoder, samples):

@@ -1,7 +1,7 @@
 """The Qwen3-VL encoder and artifacts (the kit's ``EncoderSuite``: measure == encode on many images and clips,
-assistant-only labels, errors naming the record, save/load round trip with a clip, a reproducible tokenizer asset, no
-torchvision), plus the video layout: the timestamped per-frame text ``Qwen3VLProcessor`` writes, counted exactly by
-``measure`` and accepted by the model's forward."""
+assistant-only labels, errors naming the record, the encoding equal to transformers' ``Qwen3VLProcessor``'s on images
+and text, save/load round trip with a clip, a reproducible tokenizer asset), plus the video layout: the timestamped
+per-frame text ``Qwen3VLProcessor`` writes, counted exactly by ``measure`` and accepted by the model's forward."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.video_utils import VideoMetadata
 
 from mvp_engine.engine.testing import collate_rows, compose_config, varied_video_records
-from mvp_engine.engine.testkit.suites import EncoderSuite
 from mvp_engine.kit.mllm.data import MLLMRecordError, read_video_info
 from recipes.qwen import Qwen3SampleEncoder
+from recipes.qwen.tests.encoder_suite import Qwen3EncoderSuite
 from recipes.qwen3_vl.model import build_model, build_processor
 from recipes.qwen3_vl.packed import prepare_packed
 
 
-class TestEncoder(EncoderSuite):
+class TestEncoder(Qwen3EncoderSuite):
     recipe = "qwen3_vl"
 
 
