@@ -47,7 +47,8 @@ def test_gemma4_feeds_no_video_and_its_video_path_has_no_parameter_of_its_own():
     encoder = recipe.build_encoder(recipe.build_processor(cfg))
     assert encoder.media_names == ("image",)
     assert media_kinds(model.model) == (IMAGES, VIDEOS)  # what the model could encode
-    assert media_kinds(model.model, encoder) == media_kinds(model, encoder) == (IMAGES,)
+    # the encoder's image kind: the kit's, with Gemma 4's patch positions (handed to the tower with each CP share)
+    assert media_kinds(model.model, encoder) == media_kinds(model, encoder) == (encoder.image_kind,)
     assert [dummy_passes(batch, media_kinds(model, encoder)) for batch in ({}, {IMAGES.patch_key: torch.ones(1, 3)})] \
         == [1, 0]
     dummy = recipe.dummy_media(model)

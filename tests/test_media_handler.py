@@ -5,11 +5,17 @@ import pytest
 import torch
 
 from mvp_engine.kit.mllm.data import MLLMCollator, MLLMMediaHandler, MLLMPack, MLLMSample
+from mvp_engine.kit.mllm.data.media import IMAGES, VIDEOS
+
+# a model's own fields, declared as its encoder declares them (the kit's kinds name none)
+TILED = IMAGES.with_fields(count_key="image_num_patches")
+TIMED = VIDEOS.with_fields(item_keys=("second_per_grid_ts",))
 
 
-def sample(name, length, media=None, num_media=0):
+def sample(name, length, media=None, num_media=0, kinds=()):
     ids = torch.arange(length) + 1
-    return MLLMSample(input_ids=ids, labels=ids.clone(), sample_id=name, media=media or {}, num_media=num_media)
+    return MLLMSample(input_ids=ids, labels=ids.clone(), sample_id=name, media=media or {}, num_media=num_media,
+                      media_kinds=kinds)
 
 
 def test_stacked_images_llava_layout():
@@ -25,17 +31,32 @@ def test_stacked_images_llava_layout():
 def test_stacked_tiles_internvl_layout_count_images_not_tiles_across_a_batch():
     """Tiles of each image stacked, ``image_num_patches`` per image: the items are the images (one owner each), the
     tiles concatenate in segment order and rows must add up to the counts."""
-    a = sample("a", 6, {"pixel_values": torch.zeros(4, 3, 4, 4), "image_num_patches": torch.tensor([1, 3])}, 2)
-    b = sample("b", 4, {"pixel_values": torch.ones(3, 3, 4, 4), "image_num_patches": torch.tensor([3])}, 1)
+    a = sample("a", 6, {"pixel_values": torch.zeros(4, 3, 4, 4), "image_num_patches": torch.tensor([1, 3])}, 2,
+               (TILED,))
+    b = sample("b", 4, {"pixel_values": torch.ones(3, 3, 4, 4), "image_num_patches": torch.tensor([3])}, 1, (TILED,))
     rows = [MLLMPack([a]).to_model_inputs(), MLLMPack([sample("t", 2), b]).to_model_inputs()]
     batch = MLLMCollator(pad_token_id=0)(rows)
     assert batch["pixel_values"].shape == (7, 3, 4, 4) and batch["pixel_values"][4:].eq(1).all()
     assert batch["image_num_patches"].tolist() == [1, 3, 3]
     assert batch["media_segment_ids"].tolist() == [0, 0, 1]
     assert batch["media_batch_index"].tolist() == [0, 0, 1]
-    bad = sample("bad", 5, {"pixel_values": torch.zeros(3, 3, 4, 4), "image_num_patches": torch.tensor([1, 3])}, 2)
+    tiles = {"pixel_values": torch.zeros(3, 3, 4, 4), "image_num_patches": torch.tensor([1, 3])}
     with pytest.raises(ValueError, match=r"sample 'bad': .* 3 rows, expected 4 \(the sum of 'image_num_patches'\)"):
-        MLLMMediaHandler().merge_pack([bad])
+        MLLMMediaHandler().merge_pack([sample("bad", 5, tiles, 2, (TILED,))])
+
+
+def test_a_models_own_field_needs_its_encoders_declaration():
+    """The kit knows the generic fields only: an undeclared count field is refused (it would be merged as nothing);
+    two samples reading one kind two ways cannot share a pack."""
+    tiles = {"pixel_values": torch.zeros(4, 3, 4, 4), "image_num_patches": torch.tensor([1, 3])}
+    with pytest.raises(ValueError, match=r"sample 'u': media fields \['image_num_patches'\] are not known"):
+        MLLMMediaHandler().merge_pack([sample("u", 6, tiles, 2)])
+    stacked = sample("s", 5, {"pixel_values": torch.zeros(1, 3, 4, 4)}, 1)
+    with pytest.raises(ValueError, match=r"sample 't': its image fields \['pixel_values', 'image_grid_thw', "
+                                         r"'image_num_patches'\] differ from those of sample 's'"):
+        MLLMMediaHandler().merge_pack([stacked, sample("t", 6, tiles, 2, (TILED,))])
+    truncated = sample("k", 6, tiles, 2, (TILED,)).truncated(6)
+    assert MLLMMediaHandler().merge_pack([truncated])["image_num_patches"].tolist() == [1, 3]
 
 
 def test_patches_and_grids_qwen_layout_across_a_batch():
@@ -105,7 +126,7 @@ def test_per_clip_fields_beside_grids_merge_in_clip_order_and_count_grid_rows():
         grid = torch.tensor(grids)
         media = {"pixel_values_videos": torch.zeros(int(grid.prod(-1).sum()), 1), "video_grid_thw": grid,
                  "second_per_grid_ts": torch.tensor(seconds)}
-        return sample(name, 4, media, len(grids))
+        return sample(name, 4, media, len(grids), (TIMED,))
 
     rows = [MLLMPack([clip("a", [[2, 2, 2], [1, 2, 2]], [0.5, 1.0]), sample("t", 2)]).to_model_inputs(),
             MLLMPack([sample("u", 3), clip("b", [[3, 2, 2]], [0.6])]).to_model_inputs()]

@@ -295,7 +295,7 @@ def _media_units(profile: CostProfile, media: Mapping, padded: bool = True) -> W
             tokens, squares, items = tokens + count * n, squares + count * n * n, items + count
         elif kind is IMAGES and media.get(kind.patch_key) is not None and media[kind.patch_key].dim() == 3:
             count, patches = media[kind.patch_key].shape[:2]  # pre-patchified images padded to one patch count
-            positions = next((media[k] for k in kind.item_keys if media.get(k) is not None), None)
+            positions = media.get(profile.patch_positions_field) if profile.patch_positions_field else None
             real = [int(patches)] * count if padded or positions is None else (positions != -1).all(-1).sum(-1).tolist()
             sizes = [n // ppt for n in real]
             tokens, squares, items = tokens + sum(sizes), squares + sum(n * n for n in sizes), items + int(count)

@@ -88,7 +88,8 @@ def has_media(batch: dict) -> bool:
 
 def media_kinds(model, encoder=None) -> tuple[MediaKind, ...]:
     """The media kinds a micro-batch may hold, one encoder pass each: those the model's forward encodes (images, and
-    videos where it has ``get_video_features``) that the recipe's ``encoder`` feeds (its ``media_names``).
+    videos where it has ``get_video_features``) that the recipe's ``encoder`` feeds (its ``media_kinds``, which
+    carry the model's own per-item fields: context parallelism hands them to the vision tower with each share).
 
     What is fed decides, not only what the model could take: a kind no rank is ever fed needs no dummy pass (the
     passes still match across ranks), and a model taking video beside a recipe feeding none (Gemma 4: its
@@ -96,11 +97,12 @@ def media_kinds(model, encoder=None) -> tuple[MediaKind, ...]:
     video pass away) would otherwise encode the dummy input twice on every micro-batch. Skipping a kind leaves no
     parameter out of a backward only where its path has no parameter of its own (Gemma 4's video path is its image
     path: ``tests/test_dummy_passes.py``); a model with such parameters names them in ``unreachable_parameters``.
-    Without an encoder, or one that does not say (no ``media_names``), every kind the model encodes counts as fed:
-    one pass too many costs time, one too few would leave a parameter out of a backward."""
+    Without an encoder, or one that does not say (no ``media_kinds``), every kind the model encodes counts as fed,
+    read as the kit's generic kinds: one pass too many costs time, one too few would leave a parameter out of a
+    backward."""
     kinds = (IMAGES, VIDEOS) if hasattr(unwrap_model(model), "get_video_features") else (IMAGES,)
-    fed = getattr(encoder, "media_names", None)
-    return kinds if fed is None else tuple(kind for kind in kinds if kind.name in fed)
+    fed = getattr(encoder, "media_kinds", None)
+    return kinds if fed is None else tuple(kind for kind in fed if kind.name in {k.name for k in kinds})
 
 
 def dummy_passes(batch: dict, kinds: tuple[MediaKind, ...]) -> int:

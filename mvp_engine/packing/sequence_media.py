@@ -54,7 +54,7 @@ def shares(patches: list[int], size: int) -> list[tuple[int, int]]:
 
 def _placeholder_id(model, kind: MediaKind) -> int:
     config = unwrap_model(model).config
-    names = ("image_token_id", "image_token_index") if kind is IMAGES else ("video_token_id",)
+    names = ("image_token_id", "image_token_index") if kind.name == IMAGES.name else ("video_token_id",)
     for name in names:
         if getattr(config, name, None) is not None:
             return int(getattr(config, name))
@@ -88,7 +88,7 @@ def _encode_share(model, media: Mapping[str, Any], kind: MediaKind, share: tuple
     for key in (kind.grid_key, *kind.item_keys):  # one row per item (the count key is the kit's, not the model's)
         if media.get(key) is not None:
             inputs[key] = media[key][start:end]
-    encode = inner.get_image_features if kind is IMAGES else inner.get_video_features
+    encode = inner.get_image_features if kind.name == IMAGES.name else inner.get_video_features
     outputs = encode(**inputs, return_dict=True)
     return outputs, _features(outputs), None
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 import torch
 from PIL import Image
 
+from mvp_engine.kit.mllm.data.media import IMAGES
 from recipes.gemma import GemmaSampleEncoder
 
-from .model import TYPE_FIELD, Gemma4ProcessorBundle
+from .model import PATCH_POSITIONS, TYPE_FIELD, Gemma4ProcessorBundle
 from .tokens import BOI_TOKEN, END_OF_TURN, EOI_TOKEN, IMAGE_SOFT_TOKEN, START_OF_TURN
 
 
@@ -28,6 +29,7 @@ class Gemma4SampleEncoder(GemmaSampleEncoder):
     turn_end = END_OF_TURN
     unsupervised_tokens = (BOI_TOKEN, EOI_TOKEN)
     token_type_field = TYPE_FIELD
+    image_kind = IMAGES.with_fields(item_keys=(PATCH_POSITIONS,))  # pre-patchified images padded to one size
 
     def __init__(self, processor: Gemma4ProcessorBundle):
         super().__init__(processor)
@@ -39,7 +41,7 @@ class Gemma4SampleEncoder(GemmaSampleEncoder):
 
     def encode_images(self, images: list[Image.Image]) -> tuple[dict[str, torch.Tensor], list[int]]:
         out = self.image_processor(images=images, return_tensors="pt")
-        media = {"pixel_values": out["pixel_values"], "image_position_ids": out["image_position_ids"]}
+        media = {"pixel_values": out["pixel_values"], PATCH_POSITIONS: out[PATCH_POSITIONS]}
         return media, [int(n) for n in out["num_soft_tokens_per_image"]]
 
     def image_token_count(self, width: int, height: int) -> int:

@@ -38,6 +38,7 @@ from .tokens import BOI_TOKEN, EOI_TOKEN, IMAGE_SOFT_TOKEN
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TOKENIZER_DIR = REPO_ROOT / "assets" / "tokenizers" / "gemma4"
 TYPE_FIELD = "mm_token_type_ids"
+PATCH_POSITIONS = "image_position_ids"  # per image, each patch's (x, y); -1 on the padding patches
 IMAGE_TYPE = 1  # transformers' create_mm_token_type_ids: 1 = image soft token
 VISION = flops.VisionParts(tower=("vision_tower",), projector=("embed_vision",))
 BLOCK_LAYER_TYPES = ("sliding_attention",)  # use_bidirectional_attention="vision": no blocks in the full layers
@@ -132,5 +133,5 @@ def cost_profile(model: torch.nn.Module, unreachable: Iterable[str] = ()) -> Cos
     vision_trains = any(p.requires_grad for n, p in unwrap_model(model).named_parameters()
                         if "vision_tower" in n and n not in set(unreachable))
     return dataclasses.replace(profile, block_field=TYPE_FIELD, block_values=(IMAGE_TYPE,), full_blocks=False,
-                               sliding_blocks=True,
+                               sliding_blocks=True, patch_positions_field=PATCH_POSITIONS,
                                vision_pair=profile.vision_pair + Rate(pool, pool if vision_trains else 0))

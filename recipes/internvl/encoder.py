@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 
 from mvp_engine.kit.mllm.data.chat import ChatTemplateEncoder
+from mvp_engine.kit.mllm.data.media import IMAGES
 
 from .model import InternVLProcessorBundle, image_tiles
 from .tokens import CONTEXT_IMAGE_TOKEN, END_IMAGE_TOKEN, IM_END_TOKEN, IM_START_TOKEN, START_IMAGE_TOKEN
@@ -27,6 +28,7 @@ class InternVLSampleEncoder(ChatTemplateEncoder):
     assistant_header = f"{IM_START_TOKEN}assistant\n"
     turn_end = IM_END_TOKEN
     unsupervised_tokens = (START_IMAGE_TOKEN, END_IMAGE_TOKEN)
+    image_kind = IMAGES.with_fields(count_key="image_num_patches")  # stacked tiles, counted per image
 
     def __init__(self, processor: InternVLProcessorBundle):
         super().__init__(processor)

@@ -25,10 +25,15 @@ from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from mvp_engine.kit.mllm.data.chat import ChatTemplateEncoder
+from mvp_engine.kit.mllm.data.media import VIDEOS
 from mvp_engine.kit.mllm.data.video import VideoInfo
 
 from .processor import QwenProcessorBundle
 from .tokens import IM_END_TOKEN, IM_START_TOKEN, IMAGE_TOKEN, VIDEO_TOKEN, VISION_END_TOKEN, VISION_START_TOKEN
+
+# Clips with Qwen2.5-VL's ``second_per_grid_ts`` (one per clip: the seconds a temporal patch spans, which its M-RoPE
+# reads): what its encoder writes, and what the family's packed inputs hand on wherever a batch carries it
+TIMED_VIDEOS = VIDEOS.with_fields(item_keys=("second_per_grid_ts",))
 
 
 class QwenSampleEncoder(ChatTemplateEncoder):

@@ -14,11 +14,13 @@ from typing import Any
 
 import torch
 
-from mvp_engine.kit.mllm.data.media import IMAGES, VIDEOS
+from mvp_engine.kit.mllm.data.media import IMAGES
 from mvp_engine.packing import prepare_packed_inputs, prepare_padded_inputs, unwrap_model
 from mvp_engine.packing.segment_rope import POSITION_ROWS, segment_rope_positions, token_type_ids
 
-MEDIA = ((IMAGES, 1), (VIDEOS, 2))  # each media kind with its mm_token_type_ids code
+from .encoder import TIMED_VIDEOS
+
+MEDIA = ((IMAGES, 1), (TIMED_VIDEOS, 2))  # each media kind with its mm_token_type_ids code
 
 
 def mm_token_type_ids(input_ids: torch.Tensor, config) -> torch.Tensor:

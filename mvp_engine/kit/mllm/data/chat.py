@@ -24,8 +24,11 @@ call, so the text tokens it adds are counted exactly. Images likewise: a model w
 placeholder repeated (Gemma: ``<start_of_image>`` becomes ``\n\n<start_of_image>``, the soft tokens,
 ``<end_of_image>\n\n``) sets ``image_part`` and overrides ``image_text(tokens)``. ``token_type_field`` (e.g.
 ``token_type_ids``) makes ``encode`` emit that per-token field as transformers' ``create_mm_token_type_ids`` does:
-0 text, 1 image placeholder, 2 video placeholder. The processor it is built from needs ``.tokenizer`` and
-``.token_id(token)``; its ``video_processor`` (if any) goes into the fingerprint by ``repr``.
+0 text, 1 image placeholder, 2 video placeholder. ``image_kind`` / ``video_kind`` say how to read the media fields
+the hooks write (the kit's :data:`IMAGES` / :data:`VIDEOS`; a model with a per-item or count field of its own
+declares it with ``MediaKind.with_fields``): every sample carries them (``MLLMSample.media_kinds``), so the DataKit
+merges those fields per item and the engine hands them to the model. The processor it is built from needs
+``.tokenizer`` and ``.token_id(token)``; its ``video_processor`` (if any) goes into the fingerprint by ``repr``.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from jinja2 import TemplateError
 from PIL import Image
 
 from .images import load_image, read_image_size
+from .media import IMAGES, VIDEOS, MediaKind
 from .sample import IGNORE_INDEX, MLLMRecord, MLLMSample, SampleMeta, first_supervised_index
 from .sources import MLLMRecordError
 from .store import digest
@@ -58,6 +62,8 @@ class ChatTemplateEncoder:
     video_part: str | None = None  # the template's text per video that ``video_text`` replaces; None: video_token
     image_part: str | None = None  # the template's text per image that ``image_text`` replaces; None: image_token
     token_type_field: str | None = None  # a per-token modality field to emit (``TOKEN_FIELD_PADS``); None: none
+    image_kind: MediaKind = IMAGES  # how to read the media fields ``encode_images`` writes
+    video_kind: MediaKind = VIDEOS  # and those ``encode_videos`` writes
     measure_version: int = 2  # bump when ``measure`` counts differently: it invalidates every measure cache
     assistant_header: str = ""
     turn_end: str = ""
@@ -90,6 +96,12 @@ class ChatTemplateEncoder:
         """The media kinds (``MediaKind.name``) this encoder feeds: ``image``, and ``video`` where it sets a
         ``video_token``. The engine runs dummy media passes for these kinds only (``participation.media_kinds``)."""
         return tuple(kind for kind, _, _ in self._placeholders)
+
+    @property
+    def media_kinds(self) -> tuple[MediaKind, ...]:
+        """The kinds this encoder feeds (``media_names``), as its hooks write their fields: on every sample, and
+        what the engine encodes and splits by (``participation.media_kinds``)."""
+        return tuple(self.image_kind if name == IMAGES.name else self.video_kind for name in self.media_names)
 
     # --------------------------------------------------------------------------------------------------- hooks
 
@@ -166,6 +178,7 @@ class ChatTemplateEncoder:
             media_end=self._media_end(input_ids),
             media_sq=self._media_sq(counts, videos),
             token_fields=self._token_types(input_ids),
+            media_kinds=self.media_kinds,
         )
 
     def measure(self, record: MLLMRecord) -> SampleMeta:

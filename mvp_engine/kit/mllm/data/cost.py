@@ -97,8 +97,10 @@ class CostProfile:
     squared; LLaVA: 1), ``extra_positions_per_item`` (CLIP's CLS position under LLaVA's ``default`` feature
     strategy), ``item_patches`` (patches of one image where images are stacked at a fixed size, no grid) and
     ``tile_tokens`` (InternVL: an image is tiles of this many tokens, each tile its own tower input with its own
-    extra positions; 0: an image is one input); the attention pattern: ``sliding_window`` (0: no sliding layers)
-    and the bidirectional blocks (module docstring)."""
+    extra positions; 0: an image is one input), ``patch_positions_field`` (the media field of images pre-patchified
+    and padded to one patch count: each patch's position, -1 on padding; the real patches are the useful work);
+    the attention pattern: ``sliding_window`` (0: no sliding layers) and the bidirectional blocks (module
+    docstring)."""
 
     lm_token: Rate = field(default_factory=Rate)
     lm_head_token: Rate = field(default_factory=Rate)
@@ -113,6 +115,7 @@ class CostProfile:
     extra_positions_per_item: int = 0
     item_patches: int = 0
     tile_tokens: int = 0
+    patch_positions_field: str = ""
     linear_chunk: int = 64
     sliding_window: int = 0
     block_field: str = ""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -13,9 +13,13 @@ from .sample import MLLMSample
 @dataclass(frozen=True)
 class MediaKind:
     """One kind of media item in ``MLLMSample.media``: the field holding its pixels, its per-item grid field (when
-    the layout has one), the batch fields naming each item's segment and row, ``item_keys``: fields with one
-    row per item beside stacked pixels (Gemma 4's ``image_position_ids``, each patch's (x, y), -1 for padding), and
-    ``count_key``: the stacked rows of each item where an item is several of them (InternVL's tiles per image)."""
+    the layout has one), the batch fields naming each item's segment and row, ``item_keys``: fields with one row
+    per item (a clip's seconds per temporal patch, a stacked image's patch positions), and ``count_key``: the
+    stacked rows of each item where an item is several of them (tiles per image).
+
+    The kit's kinds (:data:`IMAGES`, :data:`VIDEOS`) carry the generic fields only: a model's own per-item or count
+    fields are its recipe's to declare (:meth:`with_fields`), on its encoder, whose samples carry the kinds
+    (``MLLMSample.media_kinds``)."""
 
     name: str
     patch_key: str
@@ -29,13 +33,22 @@ class MediaKind:
     def keys(self) -> tuple[str, ...]:
         return self.patch_key, self.grid_key, *self.item_keys, *((self.count_key,) if self.count_key else ())
 
+    def with_fields(self, item_keys: tuple[str, ...] = (), count_key: str | None = None) -> MediaKind:
+        """This kind with a model's own fields added: ``item_keys`` (one row per item) and a ``count_key``."""
+        return replace(self, item_keys=(*self.item_keys, *item_keys), count_key=count_key or self.count_key)
 
-IMAGES = MediaKind("image", "pixel_values", "image_grid_thw", "media_segment_ids", "media_batch_index",
-                   item_keys=("image_position_ids",), count_key="image_num_patches")
-VIDEOS = MediaKind("video", "pixel_values_videos", "video_grid_thw", "video_segment_ids", "video_batch_index",
-                   item_keys=("second_per_grid_ts",))  # Qwen2.5-VL: seconds per temporal patch of each clip
+
+IMAGES = MediaKind("image", "pixel_values", "image_grid_thw", "media_segment_ids", "media_batch_index")
+VIDEOS = MediaKind("video", "pixel_values_videos", "video_grid_thw", "video_segment_ids", "video_batch_index")
 MEDIA_KINDS = (IMAGES, VIDEOS)
 OWNER_KEYS = frozenset(key for kind in MEDIA_KINDS for key in (kind.segment_key, kind.row_key))
+
+
+def sample_kinds(sample: MLLMSample) -> tuple[MediaKind, ...]:
+    """The kinds that say how to read ``sample.media``: the kit's, each replaced by the sample's own declaration of
+    it (``MLLMSample.media_kinds``, its encoder's)."""
+    declared = {kind.name: kind for kind in sample.media_kinds}
+    return tuple(declared.get(kind.name, kind) for kind in MEDIA_KINDS)
 
 
 class MLLMMediaHandler:
@@ -44,17 +57,16 @@ class MLLMMediaHandler:
     Two layouts are seen in practice and both merge by concatenation: flattened patches plus a grid per item
     (Qwen2-VL: ``pixel_values`` ``[patches, D]`` with ``image_grid_thw`` ``[items, 3]``; its videos likewise in
     ``pixel_values_videos`` / ``video_grid_thw``) and stacked images (LLaVA: ``pixel_values`` ``[items, C, H, W]``;
-    Gemma 4: pre-patchified ``[items, max_patches, D]`` with ``image_position_ids`` ``[items, max_patches, 2]``;
-    InternVL: ``[tiles, C, H, W]`` with ``image_num_patches`` ``[items]``, the tiles of each image).
+    Gemma 4: pre-patchified ``[items, max_patches, D]`` with a per-item field of patch positions; InternVL:
+    ``[tiles, C, H, W]`` with a count field ``[items]``, the tiles of each image).
     With a grid, the patch rows must equal the sum of the grids' products and the items are the grid's rows; with
     counts, the rows must equal their sum and the items are the counts' rows; else the items are the patch rows.
-    A sample's items of all kinds add up to its ``num_media``.
+    A sample's items of all kinds add up to its ``num_media``. Which fields a sample may carry is what its kinds say
+    (:func:`sample_kinds`): the kit's generic ones and those its encoder declares; any other is refused.
     Samples may carry different kinds (an image sample next to a video sample); those carrying the same kind carry
-    the same fields for it. Recipes need the segment of each item for per-segment positions: ``media_segment_ids``
-    for images, ``video_segment_ids`` for videos, each in its kind's item order.
+    the same fields for it, read by the same declaration. Recipes need the segment of each item for per-segment
+    positions: ``media_segment_ids`` for images, ``video_segment_ids`` for videos, each in its kind's item order.
     """
-
-    kinds = MEDIA_KINDS
 
     def items(self, sample: MLLMSample, kind: MediaKind) -> int:
         """Items of ``kind`` the sample carries, its fields checked against each other."""
@@ -86,12 +98,13 @@ class MLLMMediaHandler:
         return grid.shape[0]
 
     def validate(self, sample: MLLMSample) -> None:
-        known = {key for kind in self.kinds for key in kind.keys}
+        kinds = sample_kinds(sample)
+        known = {key for kind in kinds for key in kind.keys}
         unknown = sorted(set(sample.media) - known)
         if unknown:
             raise ValueError(f"sample {sample.sample_id!r}: media fields {unknown} are not known media fields "
-                             f"{sorted(known)}")
-        items = sum(self.items(sample, kind) for kind in self.kinds)
+                             f"{sorted(known)} (a model's own field is declared on its encoder's media kinds)")
+        items = sum(self.items(sample, kind) for kind in kinds)
         if items != sample.num_media:
             raise ValueError(f"sample {sample.sample_id!r}: media fields hold {items} items, expected "
                              f"{sample.num_media} (num_media)")
@@ -101,7 +114,7 @@ class MLLMMediaHandler:
         for sample in samples:
             self.validate(sample)
         merged: dict[str, torch.Tensor] = {}
-        for kind in self.kinds:
+        for kind in self._pack_kinds(samples):
             carriers = [s for s in samples if kind.patch_key in s.media]
             fields = sorted(set(carriers[0].media) & set(kind.keys)) if carriers else []
             for sample in carriers:
@@ -114,6 +127,23 @@ class MLLMMediaHandler:
                 torch.tensor([self.items(s, kind) for s in samples], dtype=torch.long),
             )
         return merged
+
+    @staticmethod
+    def _pack_kinds(samples: Sequence[MLLMSample]) -> tuple[MediaKind, ...]:
+        """One declaration per kind for the whole pack: the samples that carry a kind read it the same way."""
+        kinds = {kind.name: kind for kind in MEDIA_KINDS}
+        owner: dict[str, str] = {}
+        for sample in samples:
+            for kind in sample_kinds(sample):
+                if kind.patch_key not in sample.media:
+                    continue
+                if kind.name in owner and kind != kinds[kind.name]:
+                    raise ValueError(f"sample {sample.sample_id!r}: its {kind.name} fields {list(kind.keys)} differ "
+                                     f"from those of sample {owner[kind.name]!r} in the pack "
+                                     f"{list(kinds[kind.name].keys)}")
+                kinds[kind.name] = kind
+                owner.setdefault(kind.name, sample.sample_id)
+        return tuple(kinds.values())
 
     @staticmethod
     def merge_batch(rows: Sequence[dict], media_keys: Sequence[str]) -> dict[str, torch.Tensor]:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
+
+if TYPE_CHECKING:
+    from .media import MediaKind
 
 IGNORE_INDEX = -100
 
@@ -84,7 +87,9 @@ class MLLMSample:
     ``media`` maps field names (``pixel_values``, ``image_grid_thw``, ...) to tensors whose first dimension
     runs over this sample's media items or patches; merging a pack concatenates them along that dimension.
     ``token_fields`` maps names of :data:`TOKEN_FIELD_PADS` to 1-D tensors aligned with ``input_ids`` (packed and
-    padded like the ids, truncated with them).
+    padded like the ids, truncated with them). ``media_kinds``: how to read ``media`` where it holds more than the
+    kit's generic fields of a kind (``media.MediaKind.with_fields``: a model's per-item or count field), as the
+    encoder declares it; the kit's kinds stand for any kind not named.
     """
 
     input_ids: torch.Tensor
@@ -96,6 +101,7 @@ class MLLMSample:
     media_end: int = 0
     media_sq: int = 0  # see SampleMeta.media_sq
     token_fields: dict[str, torch.Tensor] = field(default_factory=dict)
+    media_kinds: tuple[MediaKind, ...] = ()
 
     def __post_init__(self) -> None:
         if self.input_ids.dim() != 1 or self.labels.shape != self.input_ids.shape:
@@ -141,6 +147,7 @@ class MLLMSample:
             media_end=self.media_end,
             media_sq=self.media_sq,
             token_fields={name: values[:max_len] for name, values in self.token_fields.items()},
+            media_kinds=self.media_kinds,
         )
 
 
