@@ -1,5 +1,7 @@
-"""What the Qwen vision-language recipes share (``recipes/qwen2_vl``, ``recipes/qwen3_vl``, ``recipes/qwen3_5``):
-a family package, not a recipe (no entry point, no config), written once and imported by each.
+"""What the Qwen vision-language recipes share (``recipes/qwen2_vl``, ``recipes/qwen2_5_vl``, ``recipes/qwen3_vl``,
+``recipes/qwen3_5``), and ``recipes/glm4v``, whose vision tower is Qwen2-VL's (it takes the processor bundle, dummy
+media, cost profile, media fields and video sampling): a family package, not a recipe (no entry point, no config),
+written once and imported by each.
 
 - ``tokens``: the special tokens (ChatML turns, ``<|image_pad|>`` / ``<|video_pad|>`` inside
   ``<|vision_start|>...<|vision_end|>``).
