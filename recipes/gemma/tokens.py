@@ -3,7 +3,8 @@
 An image part renders as ``<start_of_image>``; the processor (and ``GemmaSampleEncoder``) replaces it by
 ``\\n\\n<start_of_image>`` + the image's soft tokens + ``<end_of_image>\\n\\n``. The tokenizer names them as
 transformers' Gemma processors read them (``boi_token``, ``eoi_token``, ``image_token`` and their ids).
-``tools/build_tokenizer_assets.py`` trains the vocabulary and calls :func:`gemma_tokenizer`.
+:func:`gemma_bpe` trains the family's vocabulary with the asset tool's ``train_bpe`` and :func:`gemma_tokenizer`
+makes the tokenizer of it; :data:`TOKENIZERS` is Gemma 3's (``tools/build_tokenizer_assets.py`` writes it).
 """
 
 from __future__ import annotations
@@ -79,3 +80,22 @@ def gemma_tokenizer(vocab: dict[str, int], merges: list[tuple[str, str]], chat_t
                                  replace_extra_special_tokens=False)
     tokenizer.chat_template = chat_template
     return tokenizer
+
+
+def gemma_bpe(train_bpe, vocab_seed: list[str], vocab_size: int = 3000) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """Gemma's byte-fallback BPE, trained by ``train_bpe`` (the asset tool's) with the words' ``▁`` pieces learned
+    by a Metaspace split (``GemmaTokenizer`` then turns spaces into ``▁``, no pre-split), ``vocab_seed`` (the
+    special and byte tokens) first: ``(vocab, merges)``."""
+    from tokenizers import models, pre_tokenizers
+
+    pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never", split=True)
+    model = models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True)
+    return train_bpe(vocab_seed, vocab_size, pre_tokenizer, model=model)
+
+
+def gemma3_tokenizer(train_bpe):
+    """Gemma 3's tokenizer: the family's BPE, its special, turn and image tokens and Gemma 3's chat template."""
+    return gemma_tokenizer(*gemma_bpe(train_bpe, SPECIAL_TOKENS + BYTE_TOKENS), GEMMA3_CHAT_TEMPLATE)
+
+
+TOKENIZERS = {"gemma3": gemma3_tokenizer}  # asset name -> build(train_bpe)

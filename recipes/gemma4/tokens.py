@@ -1,5 +1,6 @@
 """Gemma 4's turn and image tokens and its chat template (the family's tokenizer builder, ``recipes.gemma.tokens``,
-makes the tokenizer from them; ``tools/build_tokenizer_assets.py --only gemma4`` writes the asset).
+makes the tokenizer from them: :data:`TOKENIZERS`; ``tools/build_tokenizer_assets.py --only gemma4`` writes the
+asset).
 
 Gemma 4 renames Gemma 3's markers: turns are ``<|turn>role\\n ... <turn|>\\n``, an image part renders as
 ``\\n\\n<|image|>\\n\\n`` and the processor replaces the placeholder by ``<|image>`` + the image's soft tokens
@@ -8,7 +9,7 @@ Gemma 4 renames Gemma 3's markers: turns are ``<|turn>role\\n ... <turn|>\\n``, 
 
 from __future__ import annotations
 
-from recipes.gemma.tokens import BYTE_TOKENS
+from recipes.gemma.tokens import BYTE_TOKENS, gemma_bpe, gemma_tokenizer
 
 BOI_TOKEN = "<|image>"
 EOI_TOKEN = "<image|>"
@@ -50,3 +51,13 @@ GEMMA4_CHAT_TEMPLATE = r"""{{ bos_token }}
     {{'<|turn>model\n'}}
 {%- endif -%}
 """
+
+
+def gemma4_tokenizer(train_bpe):
+    """Gemma 3's byte-fallback BPE (``recipes.gemma.tokens``) with Gemma 4's turn and image tokens and chat
+    template."""
+    return gemma_tokenizer(*gemma_bpe(train_bpe, VOCAB_SEED), GEMMA4_CHAT_TEMPLATE, image_tokens=IMAGE_TOKENS,
+                           turn_tokens=(START_OF_TURN, END_OF_TURN))
+
+
+TOKENIZERS = {"gemma4": gemma4_tokenizer}  # asset name -> build(train_bpe)

@@ -1,5 +1,5 @@
-"""GLM-4.1V / 4.5V's special tokens and chat template (``tools/build_tokenizer_assets.py --only glm4v`` writes the
-asset from them).
+"""GLM-4.1V / 4.5V's special tokens, chat template and tokenizer (:data:`TOKENIZERS`;
+``tools/build_tokenizer_assets.py --only glm4v`` writes the asset from them).
 
 An image part renders as ``<|begin_of_image|><|image|><|end_of_image|>``, ``<|image|>`` expanded to the image's
 merged token count; a video part as ``<|begin_of_video|><|video|><|end_of_video|>``, ``<|video|>`` replaced by one
@@ -51,3 +51,34 @@ GLM4V_CHAT_TEMPLATE = r"""[gMASK]<sop>
     {%- endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}<|assistant|>{{ '\n' }}{% endif %}"""
+
+# GLM-4's pre-tokenizer split (cl100k's, which GLM-4's tiktoken vocabulary was built with: digits in runs of 1-3)
+GLM4_SPLIT_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                    r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def glm4v_tokenizer(train_bpe, vocab_size: int = 3000):
+    """GLM-4's byte-level BPE trained by ``train_bpe`` (the asset tool's; cl100k split, no normalizer) in a
+    ``PreTrainedTokenizerFast`` as GLM-4.1V ships it, with GLM-4.1V's special tokens and chat template,
+    ``<|endoftext|>`` as padding."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import AddedToken, PreTrainedTokenizerFast
+
+    pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(GLM4_SPLIT_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    vocab, merges = train_bpe(SPECIAL_TOKENS, vocab_size, pre_tokenizer,
+                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    backend.pre_tokenizer = pre_tokenizer
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=PAD_TOKEN, eos_token=PAD_TOKEN,
+                                        model_max_length=32768, padding_side="left")
+    tokenizer.add_special_tokens({"additional_special_tokens": [AddedToken(t, special=True, normalized=False)
+                                                                for t in SPECIAL_TOKENS[1:]]})
+    tokenizer.chat_template = GLM4V_CHAT_TEMPLATE
+    return tokenizer
+
+
+TOKENIZERS = {"glm4v": glm4v_tokenizer}  # asset name -> build(train_bpe)

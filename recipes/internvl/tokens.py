@@ -5,8 +5,10 @@ An image part renders as ``<IMG_CONTEXT>\\n``; the processor (and ``InternVLSamp
 ``<IMG_CONTEXT>`` by ``<img>`` + the image's context tokens (tiles x tokens per tile) + ``</img>``. ChatML turns as
 Qwen2 writes them, ``<|endoftext|>`` as padding, ``<|im_end|>`` closing every turn. The tokenizer names the image
 tokens as transformers' ``InternVLProcessor`` reads them (``start_image_token``, ``end_image_token``,
-``context_image_token``, ``video_token`` and their ids). ``tools/build_tokenizer_assets.py`` trains the vocabulary
-(its Qwen2 byte-level BPE) with :data:`SPECIAL_TOKENS` and :data:`NAMED_TOKENS`.
+``context_image_token``, ``video_token`` and their ids). The tokenizer (:data:`TOKENIZERS`) is the Qwen family's
+byte-level BPE (``recipes.qwen.tokens.qwen2_bpe_tokenizer``: InternVL 3 / 3.5 keep their Qwen2 / Qwen3 language
+model's tokenizer) with :data:`SPECIAL_TOKENS` and :data:`NAMED_TOKENS`; ``tools/build_tokenizer_assets.py`` writes
+it.
 """
 
 from __future__ import annotations
@@ -36,3 +38,15 @@ INTERNVL_CHAT_TEMPLATE = (
     "{% endfor %}{% endif %}{{ '<|im_end|>\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+
+
+def internvl_tokenizer(train_bpe):
+    """The Qwen2 BPE with InternVL's image tokens, named as ``InternVLProcessor`` reads them, ``<|im_end|>`` as eos
+    and the chat template of the transformers port."""
+    from recipes.qwen.tokens import qwen2_bpe_tokenizer
+
+    return qwen2_bpe_tokenizer(train_bpe, INTERNVL_CHAT_TEMPLATE, special_tokens=SPECIAL_TOKENS,
+                               named_tokens=NAMED_TOKENS, eos_token=IM_END_TOKEN)
+
+
+TOKENIZERS = {"internvl": internvl_tokenizer}  # asset name -> build(train_bpe)

@@ -29,10 +29,11 @@ from mvp_engine.engine.builders import ProcessorBundle, build_hf_model, build_pr
 from mvp_engine.kit.mllm.data import CostProfile
 from mvp_engine.packing import sub_model_attention, unwrap_model
 
+from .tokens import IMAGE_TOKEN
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TOKENIZER_DIR = REPO_ROOT / "assets" / "tokenizers" / "llava"
 
-IMAGE_TOKEN = "<image>"
 VISION = flops.VisionParts(tower=("vision_tower",), projector=("multi_modal_projector",))
 
 

@@ -4,7 +4,8 @@ media, cost profile, media fields and video sampling): a family package, not a r
 written once and imported by each.
 
 - ``tokens``: the special tokens (ChatML turns, ``<|image_pad|>`` / ``<|video_pad|>`` inside
-  ``<|vision_start|>...<|vision_end|>``).
+  ``<|vision_start|>...<|vision_end|>``), the chat templates and the tokenizers (``TOKENIZERS``: the assets of
+  qwen2_vl, qwen2_5_vl, qwen3_vl and qwen3_5; InternVL's is built on :func:`tokens.qwen2_bpe_tokenizer` too).
 - ``video``: :class:`QwenVideoProcessor` (Qwen2-VL) and :class:`Qwen3VideoProcessor` (Qwen3-VL, Qwen3.5): frame
   sampling, sizes, timestamps and patch layout with numpy/PIL.
 - ``processor``: :class:`QwenProcessorBundle` / :func:`build_qwen_processor` (tokenizer, image and video processors).
