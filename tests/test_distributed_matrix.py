@@ -12,6 +12,7 @@ import pytest
 import mvp_engine.engine.testing as kit
 
 RECIPE = "llava"
+COVERS = ("DDP", "FSDP2")  # on RECIPE, for the coverage table (testkit.coverage)
 CASES = {"token": None, "sample": "greedy", "square": "bfd"}  # reduction -> packing (None: unpacked)
 TOLERANCES = {"none": 1e-6, "fsdp2": 1e-5}  # FSDP2 reduce-scatters: the sums run in another order
 pytestmark = [pytest.mark.slow, pytest.mark.launch]

@@ -21,6 +21,7 @@ import mvp_engine.engine.testing as kit
 from mvp_engine.engine.checkpoint import CHECKPOINTS, DCP_METADATA, load_run_state
 
 RECIPE = "llava"
+COVERS = ("elastic", "resume", "DDP", "FSDP2")  # on RECIPE, for the coverage table (testkit.coverage)
 pytestmark = pytest.mark.slow
 # what a split of the same global batch may not change: losses sum in another order, nothing else moves
 LOSS_TOL, GRAD_NORM_TOL, WEIGHT_TOL = 1e-5, 1e-4, 1e-5

@@ -27,6 +27,7 @@ from mvp_engine.engine.trainer import run_recipe
 from mvp_engine.kit.mllm.data import TooManyBadRecords
 
 RECIPE = "llava"
+COVERS = ("eval", "resume", "FSDP2")  # on RECIPE, for the coverage table (testkit.coverage)
 EVAL_TOL = 1e-5
 EVERY = 3
 
@@ -166,9 +167,9 @@ def test_two_context_parallel_ranks_evaluate_what_one_process_does(reference, da
     one = stand_alone(reference / "model", data, tmp_path / "one", "+packing=greedy", "train.micro_batch_size=1")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                "-m", f"recipes.{RECIPE}.evaluate"]
-    kit.train(RECIPE, tmp_path / "two", [f"model.pretrained={reference / 'model'}", eval_sources(data),
-                                         "data.max_seq_len=160", "+packing=greedy", "train.micro_batch_size=1",
-                                         "train.context_parallel_size=2"], command=command)
+    kit.launch(RECIPE, tmp_path / "two", [f"model.pretrained={reference / 'model'}", eval_sources(data),
+                                          "data.max_seq_len=160", "+packing=greedy", "train.micro_batch_size=1",
+                                          "train.context_parallel_size=2"], command=command)
     two = json.loads((tmp_path / "two" / EVAL_FILE).read_text())
     assert (two["world_size"], two["context_parallel_size"]) == (2, 2)
     assert (two["eval_samples"], two["eval_packs"], two["eval_tokens"]) == \

@@ -28,6 +28,7 @@ from mvp_engine.engine.config import ConfigError
 from mvp_engine.engine.lora import MERGED, add_adapters, lora_spec
 
 RECIPE = "llava"
+COVERS = ("LoRA", "resume", "DDP", "FSDP2")  # on RECIPE, for the coverage table (testkit.coverage)
 TARGETS = '["*language_model.layers.*_attn","*language_model.layers.*.mlp",model.multi_modal_projector]'
 LORA = ["model.lora.r=4", f"model.lora.target_modules={TARGETS}", "model.lora.modules_to_save=[lm_head]",
         "model.lora.merge_on_save=true", "model.freeze=[model.multi_modal_projector.linear_2]"]

@@ -17,6 +17,7 @@ from mvp_engine.engine.recompute import SavedForBackward, checkpointing_layers, 
 from mvp_engine.engine.testkit.smoke import smoke_trainer
 
 RECIPE = "llava"  # the wiring is recipe-free; every recipe's exactness is its EquivalenceSuite's
+COVERS = ("recompute",)  # on RECIPE, for the coverage table (testkit.coverage)
 
 
 def test_saved_bytes_count_each_saved_storage_once_and_no_parameter():
@@ -69,9 +70,8 @@ def test_fsdp2_with_recomputation_on_two_ranks_trains_what_fsdp2_without_trains(
     """qwen3_5 sharded on 2 gloo ranks: its linear-attention layers and vision blocks recompute inside FSDP2's
     unshard / reshard hooks. Unpacked, one sample per micro-batch, on data alternating image and text-only records:
     at each step one rank runs the dummy media pass (recomputed too) while the other encodes an image."""
-    data = kit.write_mixed_jsonl(tmp_path / "mixed")
-    common = [f"data.sources=[{data}]", "data.shuffle=false", "data.max_seq_len=160", "train.epochs=2",
-              "train.micro_batch_size=1", "train.learning_rate=5e-3", "train.sharding=fsdp2"]
+    common = [f"data.sources=[{kit.shared_mixed_jsonl()}]", "data.shuffle=false", "data.max_seq_len=160",
+              "train.epochs=2", "train.micro_batch_size=1", "train.learning_rate=5e-3", "train.sharding=fsdp2"]
     for on in ("false", "true"):
         kit.train("qwen3_5", tmp_path / on, [*common, f"train.activation_checkpointing={on}"], nproc=2)
     plain, recomputed = kit.read_metrics(tmp_path / "false"), kit.read_metrics(tmp_path / "true")

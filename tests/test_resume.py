@@ -21,6 +21,7 @@ import mvp_engine.engine.testing as kit
 from mvp_engine.engine.checkpoint import CHECKPOINTS, STATE_FILE, load_run_state
 
 RECIPE = "qwen2_vl"
+COVERS = ("resume", "DDP", "FSDP2")  # on RECIPE, for the coverage table (testkit.coverage)
 pytestmark = pytest.mark.slow
 
 

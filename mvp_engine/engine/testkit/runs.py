@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import io
+import multiprocessing
 import os
 import shutil
 import socket
@@ -87,6 +88,8 @@ def _exit_with_parent(parent: int) -> None:
 
 def _worker(rank: int, nproc: int, parent: int, jobs, results) -> None:
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+    # a spawned process inherits "spawn" as its default start method; a launched rank's DataLoader workers fork
+    multiprocessing.set_start_method("fork", force=True)
     while (job := jobs.get()) is not None:
         recipe, run_dir, overrides, port = job
         os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),

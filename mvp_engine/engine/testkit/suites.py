@@ -74,6 +74,8 @@ class EquivalenceSuite(RecipeSuite):
     cannot run it); the flash kwargs through sdpa_varlen on CPU; activation checkpointing exact on the packed case
     for every backend this machine trains with."""
 
+    covers = ("packed == one-by-one", "LoRA", "recompute")  # what it tests on its recipe (testkit.coverage)
+
     def pytest_generate_tests(self, metafunc):
         if "backend" in metafunc.fixturenames:
             metafunc.parametrize("backend", kit.load_recipe(self.recipe).attention_backends)
@@ -129,49 +131,73 @@ class EquivalenceSuite(RecipeSuite):
 
 
 class DistributedSuite(RecipeSuite):
-    """The distributed contract, one 2-rank run: FSDP2 over 2 gloo ranks, from a pretrained folder (rank 0 alone
-    reads it, the others receive their shards), with the recipe's ``sharded_freeze`` patterns frozen, packed, on data
-    whose micro-batches alternate image and text-only samples, trains what 1 rank x accumulation 2 trains unsharded
-    (same lr column and samples, losses, grad norms, final weights), and its gathered ``save_pretrained`` folder
-    loads back with ``model.pretrained``. DDP over the world is the ``ContextParallelSuite``'s run; the model-free
+    """The distributed contract, one 2-rank run per sharding: FSDP2 over 2 gloo ranks, from a pretrained folder
+    (rank 0 alone reads it, the others receive their shards), with the recipe's ``sharded_freeze`` patterns frozen,
+    packed, on data whose micro-batches alternate image and text-only samples, trains what 1 rank x accumulation 2
+    trains unsharded (same lr column and samples, losses, grad norms, final weights), and its gathered
+    ``save_pretrained`` folder loads back with ``model.pretrained``. DDP over the world is the
+    ``ContextParallelSuite``'s run (a recipe whose rows cannot split adds ``"none"`` to ``shardings``); the model-free
     reduction x sharding matrix (token / sample / square, DDP / FSDP2, an uneven last step) is the engine's
     (``tests/test_distributed_matrix.py``)."""
 
     reduction: str = "sample"  # train.loss_reduction of the contract run
     packing: str = "greedy"  # its packing (bfd: one whole epoch planned before the first step)
     sharded_freeze: tuple[str, ...] = ()  # model.freeze patterns (whole sharding units, or parts)
+    shardings: tuple[str, ...] = ("fsdp2",)  # train.sharding values run against the one 1-rank reference
+    FEATURES = {"fsdp2": "FSDP2", "none": "DDP"}
+    covers = ("FSDP2",)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.covers = tuple(cls.FEATURES[s] for s in cls.shardings)  # what it tests on its recipe (testkit.coverage)
+
+    def pytest_generate_tests(self, metafunc):
+        if "sharding" in metafunc.fixturenames:
+            metafunc.parametrize("sharding", list(self.shardings))
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def pretrained(cls, tmp_path_factory):
+        """The recipe's tiny model and processor saved as a pretrained folder."""
+        folder = tmp_path_factory.mktemp(f"{cls.recipe}_pretrained")
+        recipe, cfg = kit.load_recipe(cls.recipe), kit.compose_config(cls.recipe)
+        recipe.build_model(cfg.model, "sdpa").save_pretrained(folder)
+        recipe.build_processor(cfg.model).save_pretrained(folder)
+        return folder
+
+    def common(self, pretrained) -> list[str]:
+        freeze = [f"model.freeze=[{','.join(self.sharded_freeze)}]"] if self.sharded_freeze else []
+        return [*kit.packing_overrides(self.packing), f"data.sources=[{kit.shared_mixed_jsonl()}]",
+                "data.shuffle=false", "data.max_seq_len=160", "train.epochs=2", "train.micro_batch_size=1",
+                "train.learning_rate=5e-3", "train.warmup_ratio=0.2", f"train.loss_reduction={self.reduction}",
+                f"model.pretrained={pretrained}", *freeze]
 
     @pytest.mark.slow
     @pytest.mark.launch
-    def test_fsdp2_on_two_ranks_trains_what_one_rank_accumulating_two_trains(self, tmp_path):
-        recipe = kit.load_recipe(self.recipe)
-        cfg = kit.compose_config(self.recipe)
-        recipe.build_model(cfg.model, "sdpa").save_pretrained(tmp_path / "saved")
-        recipe.build_processor(cfg.model).save_pretrained(tmp_path / "saved")
-        freeze = [f"model.freeze=[{','.join(self.sharded_freeze)}]"] if self.sharded_freeze else []
-        common = [*kit.packing_overrides(self.packing), f"data.sources=[{kit.shared_mixed_jsonl()}]",
-                  "data.shuffle=false", "data.max_seq_len=160", "train.epochs=2", "train.micro_batch_size=1",
-                  "train.learning_rate=5e-3", "train.warmup_ratio=0.2", f"train.loss_reduction={self.reduction}",
-                  f"model.pretrained={tmp_path / 'saved'}", *freeze]
-        out = kit.train(self.recipe, tmp_path / "two", [*common, "train.sharding=fsdp2",
-                                                        "train.gradient_accumulation_steps=1"], nproc=2).stdout
-        kit.train(self.recipe, tmp_path / "one", [*common, "train.gradient_accumulation_steps=2"])
-        two, one = kit.read_metrics(tmp_path / "two"), kit.read_metrics(tmp_path / "one")
-        assert re.search(r"sharding: fsdp2 over 2 ranks, this rank holds [\d,]+ of [\d,]+ parameter elements", out), out
+    def test_two_ranks_train_what_one_rank_accumulating_two_trains(self, sharding, pretrained, tmp_path):
+        two_dir = tmp_path / "two"
+        out = kit.train(self.recipe, two_dir, [*self.common(pretrained), f"train.sharding={sharding}",
+                                               "train.gradient_accumulation_steps=1"], nproc=2).stdout
+        one_dir = kit.cached_run(self.recipe, [*self.common(pretrained), "train.gradient_accumulation_steps=2"])
+        two, one = kit.read_metrics(two_dir), kit.read_metrics(one_dir)
+        assert ("sharding: fsdp2 over 2 ranks" in out) == (sharding == "fsdp2"), out
+        if sharding == "fsdp2":
+            assert re.search(r"this rank holds [\d,]+ of [\d,]+ parameter elements", out), out
         assert [m["lr"] for m in two] == [m["lr"] for m in one]
         assert [m["samples"] for m in two] == [m["samples"] for m in one]
         assert abs(two[0]["loss"] - one[0]["loss"]) <= 1e-6  # a wrong or missing shard changes the first step
         assert max(abs(a["loss"] - b["loss"]) for a, b in zip(two, one)) <= 1e-5
         assert max(abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(two, one)) <= 1e-4
-        difference = kit.max_weight_difference(kit.final_weights(tmp_path / "two"), kit.final_weights(tmp_path / "one"))
+        difference = kit.max_weight_difference(kit.final_weights(two_dir), kit.final_weights(one_dir))
         assert difference <= 1e-5, f"parameters differ by {difference}"
-        summary = kit.read_summary(tmp_path / "two")
-        assert summary["world_size"] == 2 and summary["sharding"] == "fsdp2"
+        summary = kit.read_summary(two_dir)
+        assert summary["world_size"] == 2 and summary["sharding"] == sharding
         assert summary["steps_per_rank_this_session"] == [summary["estimated_steps"]] * 2 == [len(two)] * 2
-        assert summary["parameters"] == kit.read_summary(tmp_path / "one")["parameters"]
-        # the folder gathered to rank 0 loads with model.pretrained, in the layout an unsharded run saves
-        loaded = [recipe.build_model(kit.compose_config(self.recipe, [f"model.pretrained={tmp_path / run / 'model'}"])
-                                     .model, "sdpa").state_dict() for run in ("two", "one")]
+        assert summary["parameters"] == kit.read_summary(one_dir)["parameters"]
+        # the saved folder (gathered to rank 0 under FSDP2) loads with model.pretrained, as an unsharded run's does
+        recipe = kit.load_recipe(self.recipe)
+        loaded = [recipe.build_model(kit.compose_config(self.recipe, [f"model.pretrained={run / 'model'}"]).model,
+                                     "sdpa").state_dict() for run in (two_dir, one_dir)]
         assert kit.max_weight_difference(*loaded) <= 1e-5
 
 
@@ -184,6 +210,8 @@ class EncoderSuite(RecipeSuite):
     with ``kit.transformers_processor``; ``encoder_only_fields`` names the media fields the encoder adds that the
     processor does not return; ``video_not_compared`` says why clips cannot go through the family's processor (the
     measured difference), for an encoder that takes video; empty: they do."""
+
+    covers = ("encoder == processor",)  # what it tests on its recipe (testkit.coverage)
 
     encoder_only_fields: tuple[str, ...] = ()
     video_not_compared: str = ""
@@ -255,6 +283,8 @@ class ContextParallelSuite(RecipeSuite):
     placeholder run) gives the unsplit logits, loss and gradients on every CPU backend the recipe declares (flex:
     forward only); CP = 2 on 2 processes trains what 1 process trains (loss per step, final weights), counting each
     row once (the engine's own tests run DP 2 x CP 2 on 4 processes: the mesh is the engine's, not a recipe's)."""
+
+    covers = ("CP", "DDP")  # what it tests on its recipe (testkit.coverage)
 
     @pytest.fixture(scope="class")
     @classmethod
