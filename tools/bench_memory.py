@@ -53,6 +53,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -162,7 +163,10 @@ def state_after_step(mode: str, recipe: Recipe, model_cfg: dict, attention: str,
                      train: TrainSpec) -> dict[str, int]:
     """One AdamW step of ``mode`` (torch's DDP or the engine's FSDP2) on this rank; the state bytes at its end."""
     model = build_model(recipe, model_cfg, attention)
-    wrapped = DistributedDataParallel(model) if mode == "ddp" else shard_model(model, train.mixed_precision)
+    if mode == "ddp":
+        wrapped = DistributedDataParallel(model)
+    else:  # over every rank, as a run's layout hands FSDP2 its world mesh
+        wrapped = shard_model(model, train.mixed_precision, init_device_mesh("cpu", (dist.get_world_size(),)))
     optimizer, _ = optimizer_and_schedule(wrapped, train, 1)
     packed_loss(recipe, wrapped, batch, attention).backward()
     optimizer.step()

@@ -12,53 +12,39 @@ from __future__ import annotations
 import json
 import sys
 import time
-from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
-from mvp_engine.kit.mllm.data import MLLMCollator, MLLMRecordError, TooManyBadRecords
+from mvp_engine.kit.mllm.data import MLLMRecordError, TooManyBadRecords
 
-from .config import CONF_DIR, ConfigError, resolve_run_specs
-from .context_parallel import build_layout, make_sequence_parallel, row_multiple
-from .evaluation import build_evaluator
-from .launch import build_accelerator, describe_processes, end_processes
-from .participation import media_kinds
+from .config import CONF_DIR, ConfigError
+from .launch import describe_processes, end_processes
 from .recipe import Recipe
-from .train_step import TrainStep
+from .run import assemble
 
 EVAL_FILE = "eval.json"
+JOB_NAME = "evaluate"  # Hydra's job name of this entry, so its log is evaluate.log (conf/<name>.yaml names "train")
 
 
 def evaluate(cfg: DictConfig, recipe: Recipe) -> dict:
     """Evaluate ``model`` (``model.pretrained``, else the config's random initialisation) on ``data.eval_sources``;
     returns what ``eval.json`` holds."""
-    specs = resolve_run_specs(cfg, recipe.attention_backends)
-    if not specs.data.eval_sources:
-        raise ConfigError("data.eval_sources is empty: name the records to evaluate on (data.eval_sources=[...])")
-    if not cfg.model.get("pretrained"):
+    run = assemble(cfg, recipe, "eval")
+    specs, accelerator, train = run.specs, run.accelerator, run.specs.train
+    if not specs.model.pretrained:
         print("model.pretrained is not set: evaluating the randomly initialised model", file=sys.stderr)
-    train = specs.train
-    accelerator = build_accelerator(train.mixed_precision)
-    processor = recipe.build_processor(cfg.model)
-    packed = specs.data.packing is not None
-    layout = build_layout(accelerator, train.context_parallel_size, packed)
-    model = make_sequence_parallel(recipe.build_model(cfg.model, specs.attention).to(accelerator.device), layout)
-    collator = MLLMCollator(recipe.pad_token_id(processor), row_multiple(train.pad_to_multiple_of, layout.cp_size))
-    step = TrainStep(accelerator, recipe.prepare_packed if packed else recipe.prepare_padded, specs.attention,
-                     recipe.dummy_media(model), train, media_kinds(model), layout.shard)
-    evaluator = build_evaluator(specs, accelerator, recipe.build_encoder(processor), collator, step, layout)
     if accelerator.is_main_process:
         print(f"{describe_processes(accelerator)}; attention {specs.attention} "
-              f"({'packed' if packed else 'unpacked'})")
+              f"({'packed' if run.packed else 'unpacked'})")
     started = time.perf_counter()
-    metrics, records = evaluator(model, desc=f"{recipe.name} eval")
-    result = {**metrics, "records": records, "recipe": recipe.name, "pretrained": cfg.model.get("pretrained"),
-              "packing": None if not packed else specs.data.packing.strategy, "attention": specs.attention,
-              "world_size": accelerator.num_processes, "context_parallel_size": layout.cp_size,
+    metrics, records = run.evaluator(run.model, desc=f"{recipe.name} eval")
+    result = {**metrics, "records": records, "recipe": recipe.name, "pretrained": specs.model.pretrained,
+              "packing": None if not run.packed else specs.data.packing.strategy, "attention": specs.attention,
+              "world_size": accelerator.num_processes, "context_parallel_size": run.layout.cp_size,
               "micro_batch_size": train.micro_batch_size,
               "seconds": time.perf_counter() - started}
-    output_dir = Path(train.output_dir or "outputs/eval")
+    output_dir = run.output_dir
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / EVAL_FILE).write_text(json.dumps(result, indent=2))
@@ -85,10 +71,16 @@ def evaluate_recipe(cfg: DictConfig, recipe: Recipe) -> dict:
 
 def hydra_evaluate(recipe: Recipe):
     """The ``main()`` of ``recipes/<name>/evaluate.py``: Hydra over ``conf/<name>.yaml``, then
-    :func:`evaluate_recipe`."""
+    :func:`evaluate_recipe`. The recipes' configs name the Hydra job ``train`` (the training entry's log,
+    ``train.log``); this entry puts ``hydra.job.name=evaluate`` first on the command line, so it logs to
+    ``evaluate.log`` and a ``hydra.job.name=`` given on the command line still wins."""
 
     @hydra.main(config_path=str(CONF_DIR), config_name=recipe.name, version_base="1.3")
     def main(cfg: DictConfig) -> None:
         evaluate_recipe(cfg, recipe)
 
-    return main
+    def entry() -> None:
+        sys.argv[1:1] = [f"hydra.job.name={JOB_NAME}"]
+        main()
+
+    return entry

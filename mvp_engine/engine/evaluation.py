@@ -22,8 +22,8 @@ from tqdm.auto import tqdm
 from mvp_engine.kit.mllm.data import BadRecord, MLLMDataKit, MLLMSampleEncoder, RecordLedger
 
 from .config import RunSpecs
-from .context_parallel import ParallelLayout
 from .loss import weighted_token_loss
+from .parallel import ParallelLayout
 from .train_step import TrainStep
 
 EVAL_LOSS = "eval_loss"
@@ -144,7 +144,7 @@ class Evaluator:
         found decoding it."""
         records = {}
         for eval_set, row, fault in zip(self.sets, sums, faults):
-            ledger: RecordLedger = eval_set.dataset.epoch_ledger(self.micro_batch_size, 0)
+            ledger: RecordLedger = eval_set.dataset.epoch_ledger(epoch=0)
             ledger.samples_trained = int(row[2])
             ledger.bad.update(fault)
             entry = ledger.to_dict()
@@ -162,7 +162,7 @@ def build_evaluator(specs: RunSpecs, accelerator: Accelerator, encoder: MLLMSamp
     sets = build_eval_sets(specs, encoder, layout.dp_rank, layout.dp_size)
     if accelerator.is_main_process:
         for eval_set in sets:
-            ledger = eval_set.dataset.epoch_ledger(specs.train.micro_batch_size, 0)
+            ledger = eval_set.dataset.epoch_ledger(epoch=0)
             left_out = ledger.dropped + ledger.bad
             if left_out:
                 print(f"eval data {eval_set.name}: {left_out.total()} of {ledger.records_read} records left out, by "

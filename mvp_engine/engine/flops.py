@@ -54,7 +54,7 @@ from mvp_engine.packing import (
     unwrap_model,
 )
 
-from .lora import add_adapters, idle_modules, lora_spec, running_module
+from .lora import idle_modules, running_module
 
 LINEAR_CHUNK = 64  # transformers' chunk_gated_delta_rule default
 FULL_ATTENTION_TYPES = ("full_attention", "chunked_attention")  # chunked (Llama 4): counted as full
@@ -257,21 +257,13 @@ def recipe_cost_profile(recipe, model: torch.nn.Module) -> CostProfile:
 
 
 def planning_cost_profile(recipe, model_cfg) -> CostProfile:
-    """The profile ``Trainer`` uses, without weights: the recipe's model built on the meta device (its config
-    only, for a pretrained folder) with the run's adapters (``model.lora``) and freezing applied."""
-    from transformers import AutoConfig, AutoModelForImageTextToText
+    """The profile ``Trainer`` uses, without weights: the run's model as ``run_model.prepare_model`` prepares it
+    for planning (on the meta device, its config only for a pretrained folder, with the run's adapters and
+    freezing)."""
+    from .config import model_spec
+    from .run_model import prepare_model
 
-    from .builders import to_plain
-    from .participation import freeze_parameters
-
-    cfg = to_plain(model_cfg) or {}
-    with torch.device("meta"):
-        if cfg.get("pretrained"):
-            model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(cfg["pretrained"]))
-        else:
-            model = recipe.build_model(model_cfg, "eager")
-        add_adapters(model, lora_spec(cfg))
-    freeze_parameters(model, cfg.get("freeze") or [], recipe.unreachable_parameters(model))
+    model, _ = prepare_model(recipe, model_cfg, model_spec(model_cfg), "eager", "plan")
     return recipe_cost_profile(recipe, model)
 
 

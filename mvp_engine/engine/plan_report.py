@@ -34,7 +34,7 @@ from mvp_engine.kit.mllm.data.balance import balance_rng
 
 from .config import TrainSpec
 from .report_config import ReportSpec, planned_run, report_spec
-from .run_data import Planning
+from .run import Planning
 
 WIDTH_RULE = "longest pack of each micro-batch, rounded up to train.pad_to_multiple_of (as MLLMCollator pads)"
 UNIT_BINS_UP_TO = 60  # integer histograms get one bar per value up to this many distinct values

@@ -35,6 +35,10 @@ class Recipe:
     ``cost_profile(model, unreachable)`` returns the model's ``CostProfile``: for a VLM the engine's generic
     reading (``mvp_engine.engine.flops.cost_profile``) given where its vision tower and projector sit and its vision
     geometry, both family facts; None (a text-only model) is the generic reading alone.
+
+    ``parallelize(model, layout, train)`` (optional) is the family's own parallel plan (a tensor or expert split),
+    applied by ``mvp_engine.engine.parallel.parallelize`` after recomputation and context-parallel attention and
+    before FSDP2 / DDP; it returns the model. None: the generic plan alone.
     """
 
     name: str
@@ -48,6 +52,7 @@ class Recipe:
     unreachable_parameters: Callable[[Any], list[str]] = no_unreachable_parameters
     attention_backends: tuple[str, ...] = ("eager", "sdpa", "flash_attention_2")
     cost_profile: Callable[[Any, list[str]], Any] | None = None
+    parallelize: Callable[[Any, Any, Any], Any] | None = None
 
     @classmethod
     def from_modules(cls, name: str, *, model: ModuleType, packed: ModuleType,
@@ -55,7 +60,8 @@ class Recipe:
         """The recipe of a ``recipes/<name>`` laid out the usual way: ``model.build_processor`` /
         ``model.build_model``, ``packed.prepare_packed`` / ``packed.prepare_padded`` /
         ``packed.ATTENTION_BACKENDS``, ``model.dummy_media`` / ``model.unreachable_parameters`` (optional), the
-        processor's ``pad_token_id``, and the encoder class."""
+        processor's ``pad_token_id``, ``model.cost_profile`` / ``model.parallelize`` (optional), and the encoder
+        class."""
         return cls(
             name=name,
             build_processor=model.build_processor,
@@ -68,6 +74,7 @@ class Recipe:
             unreachable_parameters=getattr(model, "unreachable_parameters", no_unreachable_parameters),
             attention_backends=tuple(packed.ATTENTION_BACKENDS),
             cost_profile=getattr(model, "cost_profile", None),
+            parallelize=getattr(model, "parallelize", None),
         )
 
 

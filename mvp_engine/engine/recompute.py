@@ -8,7 +8,9 @@ layers, CLIP encoder layers), Qwen2-VL, Qwen3-VL and Qwen3.5 (decoder layers and
 ``__call__``, so module hooks (FSDP2's unshard / reshard) stay outside the recompute: it must be switched on before
 ``fully_shard`` wraps the layers, the order torchtitan uses. The recompute replays the layer's forward with the same
 kwargs (masks, ``cu_seq_lens_q`` of the linear-attention layers, DeepStack features are added outside the layers),
-so the gradients are those of the run without it (``testkit/recompute.py`` checks every recipe).
+so the gradients are those of the run without it (``testkit/recompute.py`` checks every recipe). Under context
+parallelism the replay runs in backward, after the forward's CP shard was left: ``replay_sequence_shard`` re-enters
+it for the recompute, so the replayed all-to-alls are the forward's.
 
 :class:`SavedForBackward` counts what a forward leaves for its backward, exactly, from the tensors: the bench and the
 testkit's proof that recomputation happened both read it.
@@ -21,7 +23,7 @@ from collections import Counter
 import torch
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from mvp_engine.packing import unwrap_model
+from mvp_engine.packing import replay_sequence_shard, unwrap_model
 
 from .config import ConfigError
 
@@ -50,7 +52,8 @@ def enable_activation_checkpointing(model):
         why = f"its blocks {missing} are not" if missing else "it has no"
         raise ConfigError(f"train.activation_checkpointing=true: {type(inner).__name__} cannot recompute its layers "
                           f"({why} transformers GradientCheckpointingLayers)")
-    inner.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    inner.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False,
+                                                                           "context_fn": replay_sequence_shard})
     return model
 
 

@@ -54,7 +54,7 @@ class RunFiles:
             if state.step and path.is_file() else []
         path.write_text("".join(line + "\n" for line in kept))
 
-    def list_dropped_records(self, dataset, micro_batch_size: int, epoch: int) -> None:
+    def list_dropped_records(self, dataset, micro_batch_size: int | None = None, epoch: int = 0) -> None:
         """Append the epoch's dropped draws (with reasons) beside the summary: a million ids do not belong
         inline. One line per draw, as the per-source tallies count them, with its ``source``'s name: a record a
         ``repeat: 2`` source draws twice and drops is two lines, ``draw`` 0 and 1 (the draws of one record are

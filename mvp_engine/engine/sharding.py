@@ -21,7 +21,6 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     set_model_state_dict,
 )
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -47,16 +46,17 @@ def sharding_units(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def shard_model(model: torch.nn.Module, mixed_precision: str, mesh=None) -> torch.nn.Module:
-    """Shard ``model`` in place over ``mesh`` (default: every rank, on the model's device type) and return it.
+    """Shard ``model`` in place over ``mesh``, a one-dim device mesh (a run's is its layout's ``world_mesh``:
+    ``parallel.py`` owns the one mesh, so a second one built here could not line up with its dims), and return it.
 
     Parameters become ``DTensor`` shards: build the optimizer after this call."""
     if not torch.distributed.is_initialized():
         raise ConfigError("train.sharding=fsdp2 needs several processes: launch with torchrun --nproc_per_node N or "
                           "accelerate launch --config_file conf/accelerate/fsdp2.yaml")
     units = sharding_units(model)
+    if mesh is None:
+        raise ValueError("shard_model needs the device mesh to shard over (the run's: ParallelLayout.world_mesh)")
     # fully_shard moves the shards onto the mesh's device (the current CUDA device, as the launcher set it)
-    mesh = mesh or init_device_mesh("cuda" if torch.cuda.is_available() else "cpu",
-                                    (torch.distributed.get_world_size(),))
     policy = mixed_precision_policy(mixed_precision)
     for unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=policy)

@@ -18,8 +18,8 @@ from mvp_engine.kit.mllm.data.media import IMAGES, MediaKind
 from mvp_engine.packing import SequenceShard
 
 from .config import TrainSpec
-from .context_parallel import sequence_parallel_forward
 from .loss import token_weights, weighted_token_loss
+from .parallel import sequence_parallel_forward
 from .participation import dummy_passes, forward_with_media_pass
 from .sharding import clip_grad_norm_, is_sharded
 
@@ -46,7 +46,7 @@ class TrainStep:
     dummy_media: dict
     train: TrainSpec
     media_kinds: tuple[MediaKind, ...] = (IMAGES,)
-    shard: SequenceShard | None = None  # context parallelism: this rank's chunk of every row (context_parallel.py)
+    shard: SequenceShard | None = None  # context parallelism: this rank's chunk of every row (parallel.py)
 
     def span(self, batch: dict) -> tuple[int, int] | None:
         """The positions of the rows this rank computes the loss of (None: all of them)."""

@@ -11,20 +11,18 @@ from __future__ import annotations
 import sys
 import time
 from collections import Counter
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import hydra
 import torch
-from accelerate.utils import gather_object, set_seed
+from accelerate.utils import gather_object
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from mvp_engine.kit.mllm.data import (
     BadRecord,
-    MLLMCollator,
     MLLMRecordError,
     RecordLedger,
     SourceTally,
@@ -34,25 +32,21 @@ from mvp_engine.kit.mllm.data import (
 )
 from mvp_engine.kit.mllm.data.steps import estimate_total_steps
 
-from .builders import pretrained_without_weights
-from .checkpoint import Checkpointer, RunState, load_run_state, resolve_resume
-from .config import CONF_DIR, ConfigError, RunSpecs, resolve_run_specs
-from .context_parallel import build_layout, make_sequence_parallel, row_multiple
+from .checkpoint import Checkpointer, RunState
+from .config import CONF_DIR, ConfigError
 from .demo import with_demo_data
-from .evaluation import build_evaluator
-from .flops import batch_flops, device_peak_tflops, recipe_cost_profile
-from .launch import build_accelerator, describe_processes, end_processes
-from .lora import add_adapters, lora_spec, save_adapters
-from .participation import dummy_passes, freeze_parameters, media_kinds
+from .flops import batch_flops, device_peak_tflops
+from .launch import describe_processes, end_processes
+from .lora import save_adapters
+from .participation import dummy_passes
 from .preemption import PreemptionWatch, ignore_stop_signals
 from .recipe import Recipe
-from .recompute import enable_activation_checkpointing
-from .run_data import build_run_dataset, run_data_spec
+from .run import assemble
 from .run_files import RunFiles
-from .sharding import describe_sharding, full_state_dict, is_sharded, load_full_state_dict, own_class, shard_model
+from .sharding import describe_sharding, full_state_dict, is_sharded, own_class
 from .step_metrics import StepLog, Throughput, barrier_timing_ms, step_record
 from .trackers import RunTrackers, run_config
-from .train_step import TrainStep, optimizer_and_schedule
+from .train_step import optimizer_and_schedule
 
 
 def step_groups(loader, size: int):
@@ -120,65 +114,25 @@ class Session:
 
 
 class Trainer:
-    """Runs one recipe on one validated config; ``run()`` returns the end-of-run summary."""
+    """Runs one recipe on one validated config; ``run()`` returns the end-of-run summary. The run's parts are
+    assembled by ``run.assemble``; the trainer is the loop over them."""
 
     def __init__(self, cfg: DictConfig, recipe: Recipe):
-        self.recipe = recipe
-        self.specs: RunSpecs = resolve_run_specs(cfg, recipe.attention_backends)
-        run_data_spec(self.specs)  # no sources: one line saying what to do, before any model is built
-        self.cfg = cfg
+        self.recipe, self.cfg = recipe, cfg
+        self.parts = parts = assemble(cfg, recipe, "train")
+        self.specs, self.accelerator, self.layout = parts.specs, parts.accelerator, parts.layout
+        self.processor, self.encoder, self.model = parts.processor, parts.encoder, parts.model
+        self.dataset, self.collator, self.train_step = parts.dataset, parts.collator, parts.step
+        self.evaluator, self.total_steps = parts.evaluator, parts.total_steps
+        self.output_dir, self.resume_from, self.files = parts.output_dir, parts.resume_from, RunFiles(parts.output_dir)
+        self.bad_records = self.dataset.bad_records
         train = self.specs.train
-        self.output_dir = Path(train.output_dir or "outputs/run")
-        self.accelerator = build_accelerator(train.mixed_precision, train.sharding, train.report_to, self.output_dir)
-        set_seed(train.seed)
-        self.layout = build_layout(self.accelerator, train.context_parallel_size, self.specs.data.packing is not None)
-        self.files = RunFiles(self.output_dir)
-        self.resume_from = resolve_resume(train.resume_from, self.output_dir)
-        if self.resume_from is not None:
-            load_run_state(self.resume_from).check_resume(*self._shape(), train.drop_last, source=self.resume_from)
-        self.processor = recipe.build_processor(cfg.model)
-        self.encoder = recipe.build_encoder(self.processor)
-        # FSDP2 from a pretrained folder: rank 0 alone reads the weights, the other ranks build on the meta device
-        # and receive their shards when the model is sharded (_prepare_training)
-        self.broadcast_weights = train.sharding == "fsdp2" and bool(cfg.model.get("pretrained"))
-        with pretrained_without_weights() if self.broadcast_weights and not self.accelerator.is_main_process \
-                else nullcontext():
-            self.model = recipe.build_model(cfg.model, self.specs.attention)
-        # LoRA adapters (lora.py) before recomputation and freezing, which then see them as ordinary layers
-        self.lora = lora_spec(cfg.model)
-        self.model = add_adapters(self.model, self.lora, int(cfg.model.get("seed") or 0))
-        self.model = make_sequence_parallel(self.model, self.layout)
-        if train.activation_checkpointing:  # before any sharding wraps the layers (recompute.py)
-            enable_activation_checkpointing(self.model)
-        self.parameters = freeze_parameters(self.model, cfg.model.get("freeze") or [],
-                                            recipe.unreachable_parameters(self.model))
-        self.dummy_media = recipe.dummy_media(self.model)
-        # FLOPs per unit of work of this model as it trains: the per-step FLOPs and MFU, and packing.balance=compute
-        self.cost_profile = recipe_cost_profile(recipe, self.model)
         self.peak_tflops, self.peak_source = device_peak_tflops(train.peak_tflops, train.mixed_precision,
                                                                 self.accelerator.device)
-        self.dataset = build_run_dataset(self.specs, self.encoder, self.cost_profile,
-                                         rank=self.layout.dp_rank, world_size=self.layout.dp_size)
-        self.bad_records = self.dataset.bad_records
-        self.collator = MLLMCollator(recipe.pad_token_id(self.processor),
-                                     row_multiple(train.pad_to_multiple_of, self.layout.cp_size))
-        self.packed = self.specs.data.packing is not None
-        self.media_kinds = media_kinds(self.model)
-        self.train_step = TrainStep(self.accelerator, recipe.prepare_packed if self.packed else recipe.prepare_padded,
-                                    self.specs.attention, self.dummy_media, train, self.media_kinds, self.layout.shard)
-        self.total_steps = self.dataset.estimate_total_steps(train.epochs, train.micro_batch_size,
-                                                             train.gradient_accumulation_steps)
-        self.evaluator = build_evaluator(self.specs, self.accelerator, self.encoder, self.collator, self.train_step,
-                                         self.layout)
 
     @property
     def bad_records_path(self) -> Path:
         return self.files.bad_records
-
-    def _shape(self) -> tuple[int, int, int]:
-        """How each step's packs are split over ranks and micro-batches: a resume must keep their product."""
-        train = self.specs.train
-        return self.layout.dp_size, train.micro_batch_size, train.gradient_accumulation_steps
 
     # --- the run: start, epochs, finish --------------------------------------------------------------------------
 
@@ -187,7 +141,7 @@ class Trainer:
         self._report_bad_records_found_before_training()
         model, optimizer, scheduler = self._prepare_training()
         checkpointer = Checkpointer(self.accelerator, self.output_dir, self.specs.train.keep_last, model, optimizer,
-                                    scheduler, trainable_only=self.lora.enabled)
+                                    scheduler, trainable_only=self.specs.model.lora.enabled)
         progress = Progress.from_state(self._start_state(checkpointer))
         started = time.perf_counter()
         trackers = RunTrackers(self.accelerator, self.specs.train.report_to, self.output_dir, self.recipe.name,
@@ -215,35 +169,24 @@ class Trainer:
         report.check(self.bad_records_path)
 
     def _prepare_training(self):
-        """The model and optimizer prepared by accelerate (DDP / FSDP2), and the schedule."""
-        train = self.specs.train
+        """The model (parallelized by the assembly: DDP or FSDP2), its optimizer (prepared by accelerate unless
+        sharded: FSDP2's is built over the shards) and the schedule."""
+        model = self.model
         if self.accelerator.is_main_process:
             print(f"{describe_processes(self.accelerator)}; attention {self.specs.attention} "
-                  f"({'packed' if self.packed else 'unpacked'})")
-            print(self.parameters.describe())
-        if train.sharding == "fsdp2":
-            # torch's fully_shard, not accelerator.prepare: accelerate 1.15 ignores its FSDP2 plugin on a CPU
-            # machine and wraps the model in DDP (sharding.py); the optimizer is built over the shards
-            full = self.model.state_dict() if self.broadcast_weights and self.accelerator.is_main_process else {}
-            model = shard_model(self.model, train.mixed_precision)
-            if self.broadcast_weights:
-                load_full_state_dict(model, full)
-            if self.accelerator.is_main_process:
+                  f"({'packed' if self.parts.packed else 'unpacked'})")
+            print(self.parts.parameters.describe())
+            if is_sharded(model):
                 print(describe_sharding(model))
-            optimizer, scheduler = optimizer_and_schedule(model, train, self.total_steps)
-        else:
-            optimizer, scheduler = optimizer_and_schedule(self.model, train, self.total_steps)
-            model, optimizer = self.accelerator.prepare(self.model, optimizer)
-        if train.time_barrier and self.accelerator.num_processes > 1 and \
-                not isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            raise ConfigError("train.time_barrier=true needs DDP (torchrun or conf/accelerate/ddp.yaml) or one "
-                              f"process; this run is {self.accelerator.distributed_type.value}")
+        optimizer, scheduler = optimizer_and_schedule(model, self.specs.train, self.total_steps)
+        if not is_sharded(model):
+            optimizer = self.accelerator.prepare_optimizer(optimizer)
         model.train()
         return model, optimizer, scheduler
 
     def _start_state(self, checkpointer: Checkpointer) -> RunState:
         if self.resume_from is None:
-            world_size, micro_batch_size, accumulation = self._shape()
+            world_size, micro_batch_size, accumulation = self.parts.step_shape
             return RunState(world_size=world_size, micro_batch_size=micro_batch_size,
                             gradient_accumulation_steps=accumulation)
         state = checkpointer.load(self.resume_from)
@@ -252,7 +195,7 @@ class Trainer:
                   f"{state.epoch_steps_done} steps into it (saved under world_size {state.world_size} x micro-batch "
                   f"{state.micro_batch_size} x accumulation {state.gradient_accumulation_steps})")
         # the next checkpoint is written under this run's split
-        state.world_size, state.micro_batch_size, state.gradient_accumulation_steps = self._shape()
+        state.world_size, state.micro_batch_size, state.gradient_accumulation_steps = self.parts.step_shape
         return state
 
     def _step_log(self, state: RunState, trackers: RunTrackers) -> StepLog:
@@ -272,7 +215,7 @@ class Trainer:
         summary = self._summary(progress, gather_object([progress.steps_this_session]), seconds)
         summary["flops"] = session.throughput.flops_summary(progress.totals, self.accelerator.num_processes,
                                                             self.peak_tflops, self.peak_source,
-                                                            self.specs.attention, self.cost_profile)
+                                                            self.specs.attention, self.parts.cost_profile)
         barrier_timing = session.throughput.barrier_summary()
         if barrier_timing is not None:
             summary["barrier_timing"] = barrier_timing
@@ -296,10 +239,10 @@ class Trainer:
         epoch = state.epoch
         if state.epoch_steps_done == 0:
             names = [source.name for source in self.dataset.sources]
-            progress.start_epoch(self.dataset.epoch_ledger(train.micro_batch_size, epoch),
-                                 dict(zip(names, self.dataset.epoch_sources(train.micro_batch_size, epoch))))
+            progress.start_epoch(self.dataset.epoch_ledger(epoch=epoch),
+                                 dict(zip(names, self.dataset.epoch_sources(epoch=epoch))))
             if self.accelerator.is_main_process:
-                self.files.list_dropped_records(self.dataset, train.micro_batch_size, epoch)
+                self.files.list_dropped_records(self.dataset, epoch=epoch)
         epoch_steps = self._epoch_steps(epoch)
         rank_packs_done = state.epoch_steps_done * train.gradient_accumulation_steps * train.micro_batch_size
         for group in step_groups(self._loader(epoch, rank_packs_done), train.gradient_accumulation_steps):
@@ -325,8 +268,6 @@ class Trainer:
         takes per step, which maps one global position to every split of the same global batch."""
         self.dataset.set_epoch(epoch)
         train = self.specs.train
-        if hasattr(self.dataset, "worker_batch_size"):
-            self.dataset.worker_batch_size = train.micro_batch_size
         dataset = self.dataset.starting_at(rank_packs_done)
         # its own generator: creating the iterator must not draw from the global RNG, or a mid-epoch resume (which
         # creates one more iterator than the uninterrupted run) would continue on another random stream
@@ -376,8 +317,9 @@ class Trainer:
     def _step_counts(self, group: list[dict]) -> TokenAccounting:
         """The step's token accounting and FLOPs (``flops.batch_flops``), summed over every rank."""
         local = sum((TokenAccounting.from_batch(b) for b in group), TokenAccounting())
-        flops = [batch_flops(self.cost_profile, b, self.specs.attention, self.dummy_media, self.packed,
-                             dummy_passes(b, self.media_kinds)) for b in group]
+        parts = self.parts
+        flops = [batch_flops(parts.cost_profile, b, self.specs.attention, parts.dummy_media, parts.packed,
+                             dummy_passes(b, parts.media_kinds)) for b in group]
         local.model_flops, local.executed_flops = sum(c.useful for c in flops), sum(c.executed for c in flops)
         if not self.layout.counts_rows:  # the rows of a CP group are counted once, by its first rank
             local = TokenAccounting()
@@ -427,18 +369,18 @@ class Trainer:
         tail = losses[-max(1, len(losses) // 10):]
         return {
             "recipe": self.recipe.name,
-            "packing": None if not self.packed else self.specs.data.packing.strategy,
+            "packing": None if not self.parts.packed else self.specs.data.packing.strategy,
             "attention": self.specs.attention,
             "world_size": self.accelerator.num_processes,
             "context_parallel_size": self.layout.cp_size,
             "sharding": self.specs.train.sharding,
             "activation_checkpointing": self.specs.train.activation_checkpointing,
-            "lora": self.lora.to_dict() if self.lora.enabled else None,
+            "lora": self.specs.model.lora.to_dict() if self.specs.model.lora.enabled else None,
             "estimated_steps": self.total_steps,
             "actual_steps": state.step,
             "steps_per_rank_this_session": steps_per_rank,
             "resumed_from": None if self.resume_from is None else str(self.resume_from),
-            "parameters": self.parameters.to_dict(),
+            "parameters": self.parts.parameters.to_dict(),
             "seconds": seconds,
             "effective_tokens_per_s": totals.effective / seconds if seconds else 0.0,
             "loss_first": head and sum(head) / len(head),
@@ -459,8 +401,9 @@ class Trainer:
         if not self.accelerator.is_main_process:
             return
         model_dir = self.output_dir / "model"
-        if self.lora.enabled:  # the adapter folder (and model/merged), from the gathered state dict
-            saved = save_adapters(lambda: self.recipe.build_model(self.cfg.model, self.specs.attention), self.lora,
+        lora = self.specs.model.lora
+        if lora.enabled:  # the adapter folder (and model/merged), from the gathered state dict
+            saved = save_adapters(lambda: self.recipe.build_model(self.cfg.model, self.specs.attention), lora,
                                   state_dict, model_dir)
         else:
             with own_class(self.accelerator.unwrap_model(model)) as unwrapped:

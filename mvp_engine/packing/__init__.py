@@ -45,7 +45,14 @@ from .linear_attention import (
 from .mask_forms import SpanMasks, block_mask, dense_mask, packed_predicate, span_masks
 from .masks import Predicate, causal, same_block, same_segment, sliding_window
 from .segments import flash_varlen_kwargs, row_segments, segment_positions, segment_run_ids, validate_segment_ids
-from .sequence_parallel import SequenceShard, local_model_kwargs, sequence_shard, set_sequence_shard
+from .sequence_parallel import (
+    SequenceShard,
+    local_model_kwargs,
+    replay_sequence_shard,
+    sequence_shard,
+    sequence_sharded,
+    set_sequence_shard,
+)
 from .ulysses import enable_ulysses, inner_backend
 from .unwrap import unwrap_model
 
@@ -102,7 +109,9 @@ __all__ = [
     "same_segment",
     "segment_positions",
     "segment_run_ids",
+    "replay_sequence_shard",
     "sequence_shard",
+    "sequence_sharded",
     "set_sequence_shard",
     "sliding_window",
     "span_masks",

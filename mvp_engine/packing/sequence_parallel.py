@@ -6,15 +6,19 @@ holds tokens ``[r L/N, (r+1) L/N)`` of every row of the micro-batch. Everything 
 the loss) runs on the chunk; everything that mixes tokens (attention, a linear-attention layer's conv and state)
 runs per head on the whole row after an all-to-all, with the whole row's masks and boundaries, and comes back.
 
-The group is the process's own (a process belongs to one CP group for its life), set once by
-:func:`set_sequence_shard` when the model is made sequence-parallel; the attention functions and linear-attention
-wrappers registered with transformers read it from here, so no model code is copied and nothing rides on the
-model's kwargs (which some forwards hand to their vision tower).
+The attention functions and linear-attention wrappers registered with transformers read the shard from here
+(:func:`sequence_shard`), so no model code is copied and nothing rides on the model's kwargs (which some forwards
+hand to their vision tower). It is set only while a sequence-parallel forward runs (:func:`sequence_sharded`,
+entered by the engine around one micro-batch's forward, and again around a recomputed layer's replay in backward:
+:func:`replay_sequence_shard`), never for the process: a shard left behind by one model would silently split the
+next model's forward.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,18 +51,39 @@ class SequenceShard:
         return tensor.narrow(dim, start, end - start)
 
 
-_SHARD: SequenceShard | None = None
+_ACTIVE: ContextVar[SequenceShard | None] = ContextVar("sequence_shard", default=None)
 
 
-def set_sequence_shard(shard: SequenceShard | None) -> None:
-    """Make ``shard`` this process's CP group (None: no context parallelism)."""
-    global _SHARD
-    _SHARD = shard
+@contextmanager
+def sequence_sharded(shard: SequenceShard | None) -> Iterator[None]:
+    """Inside, :func:`sequence_shard` is ``shard`` (None: the sequence is not split); the previous value is back on
+    leaving, so nothing outlives the forward it was entered for."""
+    token = _ACTIVE.set(shard)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
 
 
 def sequence_shard() -> SequenceShard | None:
-    """This process's CP group, None when the sequence is not split."""
-    return _SHARD
+    """The CP group of the sequence-parallel forward running here, None outside one."""
+    return _ACTIVE.get()
+
+
+def replay_sequence_shard() -> tuple[AbstractContextManager, AbstractContextManager]:
+    """``context_fn`` of ``torch.utils.checkpoint`` (non-reentrant): a checkpointed layer's recompute runs in
+    backward, after its forward's :func:`sequence_sharded` was left (and on CUDA in autograd's own thread), so the
+    replay re-enters the shard the forward saw and the recomputed all-to-alls are the forward's."""
+    return nullcontext(), sequence_sharded(sequence_shard())
+
+
+def set_sequence_shard(shard: SequenceShard | None) -> None:
+    """What callers of the former process-wide shard still call to clear it: there is none any more, so clearing
+    (``None``) does nothing; a shard is refused, since it would be set for nobody (enter
+    :func:`sequence_sharded` around the forward instead)."""
+    if shard is not None:
+        raise ValueError("set_sequence_shard: there is no process-wide CP shard any more; run the forward inside "
+                         "mvp_engine.packing.sequence_sharded(shard) (the engine's sequence_parallel_forward does)")
 
 
 def all_to_all(tensor: torch.Tensor, scatter_dim: int, gather_dim: int, shard: SequenceShard) -> torch.Tensor:

@@ -7,7 +7,10 @@ all-to-all per query / key / value, calls ``b`` exactly as the model would have 
 mask, ``SpanMasks``, ``BlockMask`` or ``cu_seq_lens``, all built from the whole row's ``pack_segment_ids``), and
 turns the output back with a second all-to-all. Positions were applied before the call (RoPE / M-RoPE rotate q
 and k per token, from the whole row's positions sliced to the chunk), so per-head attention on the gathered row is
-exactly the unsplit computation. :func:`enable_ulysses` points the language model's config at it.
+exactly the unsplit computation. :func:`enable_ulysses` points the language model's config at it; the CP group
+reaches the functions only while a forward runs inside ``sequence_sharded(shard)`` (``sequence_parallel``: the
+engine's sequence-parallel forward enters it), so a sequence-parallel model run outside one is refused, not split
+wrongly.
 
 Why not torch's ``context_parallel`` (what accelerate's ``ParallelismConfig(cp_size=...)`` applies): it shards
 ring attention over SDPA with no CPU strategy (measured in torch 2.13: no dispatch on CPU) and takes only
@@ -25,7 +28,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from . import varlen_sdpa  # noqa: F401  (sdpa_varlen's functions are registered before they are wrapped)
 from .backends import ATTENTION_BACKENDS
-from .sequence_parallel import SequenceShard, all_to_all, sequence_shard, set_sequence_shard
+from .sequence_parallel import SequenceShard, all_to_all, sequence_shard
 from .unwrap import unwrap_model
 
 PREFIX = "ulysses_"
@@ -50,7 +53,11 @@ def _ulysses(backend: str):
         """(B, H, L/N, D) query / key / value in, (B, L/N, H, D) out, like every transformers backend."""
         inner = _backend_function(module, backend)
         shard = sequence_shard()
-        if shard is None or shard.size == 1:
+        if shard is None:
+            raise RuntimeError(f"{PREFIX}{backend}: this sequence-parallel model ran outside a sequence-parallel "
+                               "forward (no CP group is active): run it inside "
+                               "mvp_engine.packing.sequence_sharded(shard), as the engine's forward does")
+        if shard.size == 1:
             return inner(module, query, key, value, attention_mask, **kwargs)
         query, key, value = (all_to_all(t, scatter_dim=1, gather_dim=2, shard=shard) for t in (query, key, value))
         out, _ = inner(module, query, key, value, attention_mask, **kwargs)  # (B, L, H/N, D)
@@ -85,8 +92,8 @@ def head_counts(model) -> dict[str, dict[int, list[int]]]:
 
 
 def check_heads(model, size: int) -> None:
-    """One line naming the numbers (and the layers, where they differ) when a head count does not split over the CP
-    group."""
+    """One line naming the numbers (and the layers, where they differ) when a head count does not split over a CP
+    group of ``size`` (the engine adds its config key)."""
     bad = []
     for key, values in head_counts(model).items():
         for value, layers in values.items():
@@ -94,20 +101,18 @@ def check_heads(model, size: int) -> None:
                 where = "" if len(values) == 1 else f" (layers {', '.join(map(str, layers))})"
                 bad.append(f"{key}={value}{where}")
     if bad:
-        raise ValueError(f"train.context_parallel_size={size}: Ulysses splits heads over the CP group, but "
-                         f"{', '.join(bad)} is not divisible by {size}")
+        raise ValueError(f"Ulysses splits heads over the CP group, but {', '.join(bad)} is not divisible by {size}")
 
 
 def enable_ulysses(model, shard: SequenceShard):
-    """Make the language model of ``model`` sequence-parallel over ``shard``: its attention layers run
-    ``ulysses_<backend>`` (the vision tower keeps its own backend: it encodes whole images, by share) and this
-    process's shard is set for them and for the linear-attention wrappers. Returns the model."""
+    """Make the language model of ``model`` sequence-parallel over a CP group of ``shard.size``: its attention
+    layers run ``ulysses_<backend>`` (the vision tower keeps its own backend: it encodes whole images, by share).
+    The shard itself is handed over per forward (``sequence_sharded``), not kept. Returns the model."""
     check_heads(model, shard.size)
     config = unwrap_model(model).config
     text = getattr(config, "text_config", None) or config
     if not (text._attn_implementation or "").startswith(PREFIX):
         text._attn_implementation_internal = f"{PREFIX}{text._attn_implementation}"
-    set_sequence_shard(shard)
     return model
 
 

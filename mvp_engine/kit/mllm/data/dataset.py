@@ -275,11 +275,15 @@ class _PackedDatasetBase:
         return RankPacks(packs, self.rank, self.world_size,
                          packs_per_rank(len(packs), self.world_size, self.drop_last))
 
-    def _left_out_draws(self, micro_batch_size: int, epoch: int | None = None) -> np.ndarray:
+    def _left_out_draws(self, micro_batch_size: int | None = None, epoch: int | None = None) -> np.ndarray:
         """Record indices of the epoch's packs that no rank trains on, once per draw: with ``drop_last`` the packs
         past an even split across ranks and those of a rank's last partial micro-batch (none without ``drop_last``).
         Every rank serves its first ``served`` packs, so these are the plan's packs from ``served * world_size`` on.
-        Cached with the epoch's plan: the drop counts, the ledger and the dropped-records file all ask for it."""
+        Cached with the epoch's plan: the drop counts, the ledger and the dropped-records file all ask for it.
+
+        ``micro_batch_size`` here and in the methods below: the dataset's own step shape unless given (the argument
+        is kept for callers that still pass it)."""
+        micro_batch_size = micro_batch_size or self.micro_batch_size
         plan = self.plan(epoch)
         cached = self._left_out.get(micro_batch_size)
         if cached is None or cached[0] is not plan:
@@ -291,11 +295,11 @@ class _PackedDatasetBase:
             self._left_out = {micro_batch_size: cached}
         return cached[1]
 
-    def left_out_by_drop_last(self, micro_batch_size: int, epoch: int | None = None) -> frozenset[int]:
+    def left_out_by_drop_last(self, micro_batch_size: int | None = None, epoch: int | None = None) -> frozenset[int]:
         """Records of the epoch's packs that no rank trains on (see :meth:`_left_out_draws`)."""
         return frozenset(self._left_out_draws(micro_batch_size, epoch).tolist())
 
-    def dropped_records(self, micro_batch_size: int, epoch: int | None = None) -> list[tuple[int, str]]:
+    def dropped_records(self, micro_batch_size: int | None = None, epoch: int | None = None) -> list[tuple[int, str]]:
         """``(record index, reason)`` of every draw the epoch plans not to train (bad records aside), by record
         index: one per draw, as :meth:`epoch_sources` counts them, so a record drawn twice (``repeat: 2``) and
         dropped is listed twice."""
@@ -315,7 +319,7 @@ class _PackedDatasetBase:
         reasons = {int(i): report.records[origin(int(i))].reason for i in np.flatnonzero(~usable)}
         return reasons, report.counts("read") + report.counts("measure") - Counter(reasons.values())
 
-    def epoch_sources(self, micro_batch_size: int, epoch: int | None = None) -> list[SourceTally]:
+    def epoch_sources(self, micro_batch_size: int | None = None, epoch: int | None = None) -> list[SourceTally]:
         """Per source (``self.sources`` order), the epoch's draw as planned: records drawn, the draws dropped by the
         plan and by ``drop_last``, and the draws of records found bad before training, each by reason. The trainer
         adds what it trains and the faults found while decoding."""
@@ -338,7 +342,7 @@ class _PackedDatasetBase:
         tallies[0].bad.update(unindexed)
         return tallies
 
-    def epoch_ledger(self, micro_batch_size: int, epoch: int | None = None) -> RecordLedger:
+    def epoch_ledger(self, micro_batch_size: int | None = None, epoch: int | None = None) -> RecordLedger:
         """The epoch's record ledger as planned: the sum of :meth:`epoch_sources` (records drawn, drops, bad records
         found before training) and the draws truncated to fit."""
         plan = self.plan(epoch)
@@ -376,10 +380,13 @@ class _PackedDatasetBase:
         inputs["source_counts"] = _source_counts(torch.tensor(kept, dtype=torch.long), inputs, len(self.sources))
         return inputs
 
-    def estimate_total_steps(self, epochs: int, micro_batch_size: int, gradient_accumulation_steps: int = 1) -> int:
-        """Optimizer steps of ``epochs`` epochs from ``start_epoch`` 0, planned epoch by epoch."""
+    def estimate_total_steps(self, epochs: int, micro_batch_size: int | None = None,
+                             gradient_accumulation_steps: int | None = None) -> int:
+        """Optimizer steps of ``epochs`` epochs from ``start_epoch`` 0, planned epoch by epoch, in the dataset's
+        own step shape unless another is given."""
         counts = [len(self.plan(epoch).packs) for epoch in range(epochs)]
-        return estimate_total_steps(counts, micro_batch_size, gradient_accumulation_steps, self.world_size,
+        return estimate_total_steps(counts, micro_batch_size or self.micro_batch_size,
+                                    gradient_accumulation_steps or self.gradient_accumulation_steps, self.world_size,
                                     self.drop_last)
 
 
@@ -428,7 +435,8 @@ class MLLMStreamingPackedDataset(_PackedDatasetBase, IterableDataset):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.packs_consumed = 0
-        self.worker_batch_size = 1  # set to the DataLoader's batch size so workers hand out whole micro-batches
+        # the DataLoader's batch size (the step shape's micro-batch), so workers hand out whole micro-batches
+        self.worker_batch_size = self.micro_batch_size
 
     def __len__(self) -> int:
         return len(self.rank_packs())

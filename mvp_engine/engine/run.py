@@ -1,0 +1,205 @@
+"""One run assembly: everything a run is made of, built one way for the trainer (``purpose="train"``), the
+stand-alone evaluation (``"eval"``) and the reports, step estimates and benches (``"plan"``).
+
+Why one function: a report, a step estimate or an evaluation is only true of a run if it is built from the same
+validated specs, layout, model (adapters and frozen parameters included: the cost model reads them) and dataset
+(the same rank split, step shape and cost profile); assembling a run anywhere else drifts.
+
+A training run's parts, in order: the specs (``model.*`` included, validated once), the accelerator and the seed,
+the layout with its one device mesh, the checkpoint it resumes from (checked before anything is built), processor
+and encoder, the model (``run_model.prepare_model``: build, adapters, freezing), what the step reads of it (dummy
+media, media kinds, the cost profile), the dataset, collator, step, step estimate and evaluator, and last
+``parallel.parallelize`` (recompute, CP attention, the recipe's plan, FSDP2 / DDP), so that everything before it
+reads the model unwrapped. Building a run writes no file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from omegaconf import DictConfig
+
+from mvp_engine.kit.mllm.data import (
+    CostProfile,
+    MLLMCollator,
+    MLLMDataKit,
+    MLLMDataSpec,
+    MLLMRecord,
+    MLLMSampleEncoder,
+)
+from mvp_engine.kit.mllm.data.media import IMAGES, MediaKind
+
+from .checkpoint import load_run_state, resolve_resume
+from .config import ConfigError, RunSpecs, TrainSpec, resolve_run_specs
+from .evaluation import Evaluator, build_evaluator
+from .flops import recipe_cost_profile
+from .launch import build_accelerator
+from .parallel import ParallelLayout, build_layout, parallelize, plan_layout, row_multiple
+from .participation import ParameterReport, media_kinds
+from .recipe import Recipe
+from .run_model import PURPOSES, prepare_model
+from .train_step import TrainStep
+
+
+@dataclass
+class Run:
+    """A run's parts (what ``purpose`` needs of them; the rest stay None): ``model`` is the one the run computes
+    with, parallelized (a plan's lives on the meta device); ``dataset`` is the training set (``evaluator`` holds the
+    eval sets); ``total_steps`` the optimizer steps the run will take."""
+
+    recipe: Recipe
+    cfg: DictConfig
+    specs: RunSpecs
+    purpose: str
+    layout: ParallelLayout
+    processor: Any
+    encoder: MLLMSampleEncoder
+    model: torch.nn.Module
+    parameters: ParameterReport | None = None
+    accelerator: Accelerator | None = None
+    output_dir: Path | None = None
+    resume_from: Path | None = None  # the checkpoint a training run starts from (None: a fresh start)
+    dummy_media: dict = field(default_factory=dict)
+    media_kinds: tuple[MediaKind, ...] = (IMAGES,)
+    cost_profile: CostProfile | None = None
+    dataset: Any = None  # MLLMPackedDataset | MLLMStreamingPackedDataset
+    collator: MLLMCollator | None = None
+    step: TrainStep | None = None
+    total_steps: int = 0
+    evaluator: Evaluator | None = None
+
+    @property
+    def world_size(self) -> int:
+        """Processes of the run (a plan's: the processes it plans for)."""
+        return self.layout.world_size
+
+    @property
+    def packed(self) -> bool:
+        return self.specs.data.packing is not None
+
+    @property
+    def step_shape(self) -> tuple[int, int, int]:
+        """How each step's packs are split over ranks and micro-batches: a resume must keep their product."""
+        return step_shape(self.specs.train, self.layout)
+
+
+Planning = Run  # what the reports and estimates read: a run assembled with purpose="plan"
+
+
+def step_shape(train: TrainSpec, layout: ParallelLayout) -> tuple[int, int, int]:
+    return layout.dp_size, train.micro_batch_size, train.gradient_accumulation_steps
+
+
+def assemble(cfg: DictConfig, recipe: Recipe, purpose: str = "train", world_size: int = 1) -> Run:
+    """The run ``cfg`` describes, for ``purpose``: ``train`` (every part), ``eval`` (the model as saved, the eval
+    sets, collator, step and evaluator; ``data.eval_sources`` must name some) or ``plan`` (rank 0 of ``world_size``
+    processes, without any: specs, processor, encoder, the model on the meta device, its cost profile and the
+    training set, from metadata alone). A bad config stops with one ``ConfigError`` line naming the key."""
+    if purpose not in PURPOSES:
+        raise ValueError(f"purpose={purpose!r} is invalid: allowed one of {list(PURPOSES)}")
+    specs = resolve_run_specs(cfg, recipe.attention_backends)
+    if purpose == "plan":
+        return _plan(cfg, recipe, specs, world_size)
+    return _assemble(cfg, recipe, specs, purpose)
+
+
+def planning_dataset(cfg: DictConfig, recipe: Recipe, world_size: int = 1) -> Planning:
+    """The run's dataset as ``Trainer`` builds it, rank 0 of ``world_size`` (over its data-parallel ranks, i.e.
+    ``world_size / train.context_parallel_size``), with the cost model read from the model built on the meta
+    device: what reports and estimates plan, from metadata alone."""
+    return assemble(cfg, recipe, "plan", world_size)
+
+
+def _plan(cfg: DictConfig, recipe: Recipe, specs: RunSpecs, world_size: int) -> Run:
+    layout = plan_layout(world_size, specs.train.context_parallel_size, specs.data.packing is not None)
+    processor = recipe.build_processor(cfg.model)
+    encoder = recipe.build_encoder(processor)
+    model, parameters = prepare_model(recipe, cfg.model, specs.model, "eager", "plan")
+    profile = recipe_cost_profile(recipe, model)
+    # a CP group shares its rows: the data (and the steps) are split over the data-parallel ranks only
+    dataset = build_run_dataset(specs, encoder, profile, 0, layout.dp_size)
+    return Run(recipe, cfg, specs, "plan", layout, processor, encoder, model, parameters, cost_profile=profile,
+               dataset=dataset)
+
+
+def _assemble(cfg: DictConfig, recipe: Recipe, specs: RunSpecs, purpose: str) -> Run:
+    training, train = purpose == "train", specs.train
+    accelerator, output_dir = _start(specs, training)
+    layout = build_layout(accelerator, train.context_parallel_size, specs.data.packing is not None)
+    resume_from = _resume_point(train, output_dir, layout) if training else None
+    processor = recipe.build_processor(cfg.model)
+    encoder = recipe.build_encoder(processor)
+    # FSDP2 from a pretrained folder: rank 0 alone reads the weights, the other ranks build on the meta device and
+    # receive their shards in parallelize
+    weights_from_rank0 = training and train.sharding == "fsdp2" and bool(specs.model.pretrained)
+    model, parameters = prepare_model(recipe, cfg.model, specs.model, specs.attention, purpose,
+                                      without_weights=weights_from_rank0 and not accelerator.is_main_process)
+    if not training:
+        model = model.to(accelerator.device)
+    run = Run(recipe, cfg, specs, purpose, layout, processor, encoder, model, parameters, accelerator, output_dir,
+              resume_from, recipe.dummy_media(model), media_kinds(model, encoder))
+    if training:
+        # FLOPs per unit of work of this model as it trains: the per-step FLOPs and MFU, and packing.balance=compute
+        run.cost_profile = recipe_cost_profile(recipe, model)
+        run.dataset = build_run_dataset(specs, encoder, run.cost_profile, layout.dp_rank, layout.dp_size)
+    run.collator = MLLMCollator(recipe.pad_token_id(processor), row_multiple(train.pad_to_multiple_of, layout.cp_size))
+    run.step = TrainStep(accelerator, recipe.prepare_packed if run.packed else recipe.prepare_padded, specs.attention,
+                         run.dummy_media, train, run.media_kinds, layout.shard)
+    if training:
+        run.total_steps = run.dataset.estimate_total_steps(train.epochs)
+    run.evaluator = build_evaluator(specs, accelerator, encoder, run.collator, run.step, layout)
+    run.model = parallelize(model, layout, train, recipe, accelerator if training else None, weights_from_rank0)
+    return run
+
+
+def _start(specs: RunSpecs, training: bool) -> tuple[Accelerator, Path]:
+    """The accelerator and the run directory, once the data is known to be there (one line saying what to do
+    before any model is built); a training run's seed is set here, before anything draws from it."""
+    train = specs.train
+    if not training:
+        if not specs.data.eval_sources:
+            raise ConfigError("data.eval_sources is empty: name the records to evaluate on (data.eval_sources=[...])")
+        return build_accelerator(train.mixed_precision), Path(train.output_dir or "outputs/eval")
+    run_data_spec(specs)
+    output_dir = Path(train.output_dir or "outputs/run")
+    accelerator = build_accelerator(train.mixed_precision, train.sharding, train.report_to, output_dir)
+    set_seed(train.seed)
+    return accelerator, output_dir
+
+
+def _resume_point(train: TrainSpec, output_dir: Path, layout: ParallelLayout) -> Path | None:
+    """The checkpoint the run resumes from (``train.resume_from``), its split checked before anything is built."""
+    resume_from = resolve_resume(train.resume_from, output_dir)
+    if resume_from is not None:
+        load_run_state(resume_from).check_resume(*step_shape(train, layout), train.drop_last, source=resume_from)
+    return resume_from
+
+
+# --- the run's dataset ----------------------------------------------------------------------------------------
+
+
+def run_data_spec(specs: RunSpecs) -> MLLMDataSpec:
+    """``specs.data``, or one line saying what to do when it names no source."""
+    if not specs.data.sources:
+        raise ConfigError("data.sources is empty: name the records to train on (data.sources=[...]), or pass the "
+                          "config through mvp_engine.engine.demo.with_demo_data(cfg) for the demo set, as the "
+                          "recipe entry point and the tools do")
+    return specs.data
+
+
+def build_run_dataset(specs: RunSpecs, encoder: MLLMSampleEncoder, cost_profile: CostProfile | None,
+                      rank: int = 0, world_size: int = 1, records: list[MLLMRecord] | None = None):
+    """The dataset ``rank`` of ``world_size`` trains on (``MLLMDataKit.build_dataset``: the sources' record store,
+    or ``records`` already read from them), in the run's step shape; its bad-record report is
+    ``dataset.bad_records``. The benches call it alone, on specs of their own."""
+    train = specs.train
+    return MLLMDataKit.build_dataset(run_data_spec(specs), encoder, rank=rank, world_size=world_size,
+                                     drop_last=train.drop_last, records=records,
+                                     micro_batch_size=train.micro_batch_size,
+                                     gradient_accumulation_steps=train.gradient_accumulation_steps,
+                                     cost_profile=cost_profile)
