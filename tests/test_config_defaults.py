@@ -42,8 +42,11 @@ PACKING = {
     "bfd": {**FROM_DATA, "strategy": "bfd", "buffer_size": 1_000_000},  # a whole-data-set buffer: one offline plan
 }
 VIDEO_DEMO = {"demo": {"videos": True, "out_dir": ".cache/demo_video"}}  # recipes that take video train on clips too
+DEMO_FITS = {"data": {"max_seq_len": 2304}}  # the demo's longest sample fits: only its records made overlong drop
 PER_RECIPE = {
-    "internvl": {"train": {"loss_reduction": "square"}},  # InternVL's own loss weighting
+    "gemma3": DEMO_FITS,
+    "gemma4": DEMO_FITS,
+    "internvl": {"train": {"loss_reduction": "square"}, **DEMO_FITS},  # InternVL's own loss weighting
     "glm4v": VIDEO_DEMO,
     "qwen2_5_vl": VIDEO_DEMO,
     "qwen3_5": VIDEO_DEMO,
