@@ -51,7 +51,6 @@ from .sequence_parallel import (
     replay_sequence_shard,
     sequence_shard,
     sequence_sharded,
-    set_sequence_shard,
 )
 from .ulysses import enable_ulysses, inner_backend
 from .unwrap import unwrap_model
@@ -112,7 +111,6 @@ __all__ = [
     "replay_sequence_shard",
     "sequence_shard",
     "sequence_sharded",
-    "set_sequence_shard",
     "sliding_window",
     "span_masks",
     "sub_model_attention",

@@ -77,15 +77,6 @@ def replay_sequence_shard() -> tuple[AbstractContextManager, AbstractContextMana
     return nullcontext(), sequence_sharded(sequence_shard())
 
 
-def set_sequence_shard(shard: SequenceShard | None) -> None:
-    """What callers of the former process-wide shard still call to clear it: there is none any more, so clearing
-    (``None``) does nothing; a shard is refused, since it would be set for nobody (enter
-    :func:`sequence_sharded` around the forward instead)."""
-    if shard is not None:
-        raise ValueError("set_sequence_shard: there is no process-wide CP shard any more; run the forward inside "
-                         "mvp_engine.packing.sequence_sharded(shard) (the engine's sequence_parallel_forward does)")
-
-
 def all_to_all(tensor: torch.Tensor, scatter_dim: int, gather_dim: int, shard: SequenceShard) -> torch.Tensor:
     """Cut ``tensor`` into ``shard.size`` equal chunks along ``scatter_dim``, send chunk j to CP rank j, and join
     the chunks received along ``gather_dim`` in rank order; differentiable (the backward is the reverse exchange).

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from mvp_engine.packing import SequenceShard, enable_ulysses, set_sequence_shard
+from mvp_engine.packing import SequenceShard, enable_ulysses
 
 from ..context_parallel import sequence_parallel_forward
 from ..loss import weighted_token_loss
@@ -70,7 +70,9 @@ def _forward_and_grads(recipe: Recipe, model_cfg, batch: dict, backend: str, sha
     """Logits (this rank's chunk under CP), this rank's part of the token-mean loss over the whole rows, and the
     parameter gradients (None where backward is not available)."""
     model = recipe.build_model(model_cfg, backend).eval()
-    dummy, kinds = recipe.dummy_media(model), media_kinds(model)
+    # the kinds the recipe feeds, with their own per-item fields, as training hands them to the vision tower's share
+    encoder = recipe.build_encoder(recipe.build_processor(model_cfg))
+    dummy, kinds = recipe.dummy_media(model), media_kinds(model, encoder)
     grads = backward_available(backend)
     with torch.set_grad_enabled(grads):
         kwargs = recipe.prepare_packed(batch, model, backend)
@@ -109,7 +111,6 @@ def _split_worker(rank: int, recipe_name: str, workdir: str, backends: list[str]
         shard = SequenceShard(dist.group.WORLD, rank, CP_SIZE)
         reports = []
         for backend in backends:
-            set_sequence_shard(None)
             reference = _forward_and_grads(recipe, model_cfg, batch, backend, None) if rank == 0 else None
             logits, loss, gradients = _forward_and_grads(recipe, model_cfg, batch, backend, shard)
             pieces = [torch.empty_like(logits) for _ in range(CP_SIZE)]
@@ -125,7 +126,6 @@ def _split_worker(rank: int, recipe_name: str, workdir: str, backends: list[str]
         if rank == 0:
             torch.save(reports, Path(workdir) / "reports.pt")
     finally:
-        set_sequence_shard(None)
         dist.destroy_process_group()
 
 
