@@ -23,6 +23,8 @@ import torch
 from accelerate import init_empty_weights
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
+from .config import model_spec
+
 _WITHOUT_WEIGHTS: ContextVar[bool] = ContextVar("pretrained_without_weights", default=False)
 
 
@@ -92,24 +94,25 @@ def build_hf_model(model_cls, model_cfg: Mapping | None, attn_implementation: st
     """``model_cls.from_pretrained(model_cfg.pretrained)`` or a tiny seeded random init of
     ``make_config(model_cfg, tokenizer)``.
 
-    Keys read: ``pretrained``, ``tokenizer_dir``, ``seed`` (default 0), ``dtype`` (default float32), plus whatever
-    ``make_config`` reads (usually ``config``).
+    Keys read through the validated ``ModelSpec`` (``config.model_spec``, what the engine reads too):
+    ``pretrained``, ``tokenizer_dir``, ``seed``, ``dtype``; ``make_config`` reads the rest (usually ``config``).
     """
     cfg = to_plain(model_cfg) or {}
-    dtype = getattr(torch, str(cfg.get("dtype") or "float32"))
-    if cfg.get("pretrained") and _WITHOUT_WEIGHTS.get():
+    spec = model_spec(cfg)
+    dtype = getattr(torch, spec.dtype)
+    if spec.pretrained and _WITHOUT_WEIGHTS.get():
         with init_empty_weights(include_buffers=False):  # buffers (rotary frequencies) are computed, not loaded
-            model = model_cls._from_config(AutoConfig.from_pretrained(cfg["pretrained"]),
+            model = model_cls._from_config(AutoConfig.from_pretrained(spec.pretrained),
                                            attn_implementation=attn_implementation, dtype=dtype)
         model.tie_weights()  # the meta build leaves tied weights (Gemma's lm_head) apart: one FSDP2 unit too many
         return model
-    if cfg.get("pretrained"):
-        return model_cls.from_pretrained(cfg["pretrained"], attn_implementation=attn_implementation, dtype=dtype)
+    if spec.pretrained:
+        return model_cls.from_pretrained(spec.pretrained, attn_implementation=attn_implementation, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(cfg, default_tokenizer_dir))
     config = make_config(cfg, tokenizer)
     # fork_rng: the seeded init must not move the caller's global RNG stream
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(int(cfg.get("seed") or 0))
+        torch.manual_seed(spec.seed)
         return model_cls._from_config(config, attn_implementation=attn_implementation, dtype=dtype)
 
 
