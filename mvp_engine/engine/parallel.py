@@ -92,10 +92,11 @@ def plan_layout(world_size: int, cp_size: int, packed: bool) -> ParallelLayout:
 
 
 def build_layout(accelerator, cp_size: int, packed: bool) -> ParallelLayout:
-    """The run's layout and its one device mesh (every process takes part: call it at the same point on each)."""
+    """The run's layout and its one device mesh (every process takes part: call it at the same point on each); no
+    mesh in a process without a process group."""
     world, rank = accelerator.num_processes, accelerator.process_index
     check_layout(world, cp_size, packed)
-    if world == 1:
+    if world == 1 and not torch.distributed.is_initialized():
         return ParallelLayout(world, rank)
     mesh = init_device_mesh(accelerator.device.type, (world // cp_size, cp_size), mesh_dim_names=(DP, CP))
     if cp_size == 1:
