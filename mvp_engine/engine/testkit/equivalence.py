@@ -185,6 +185,7 @@ class OneByOne:
     loss: float
     supervised: float
     grads: dict[str, torch.Tensor]
+    model_cfg: Any  # what it was computed for: a case copied with another model config computes its own
 
 
 def _one_by_one(case: EquivalenceCase, model, backend: str, device: str):
@@ -205,12 +206,13 @@ def one_by_one_reference(case: EquivalenceCase) -> OneByOne:
     """The case's one-by-one reference, computed once and shared by every packed backend compared on CPU in fp32
     (and the flash kwargs check): one reference for all backends also catches a backend that is wrong packed and
     unpacked alike, which comparing each backend with itself cannot."""
-    if case.reference is None:
+    if case.reference is None or case.reference.model_cfg != case.model_cfg:
         model = case.recipe.build_model(case.model_cfg, "sdpa").eval()
         params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         logits, loss, supervised = _one_by_one(case, model, "sdpa", "cpu")
         loss.backward()
-        case.reference = OneByOne(logits, loss.item(), supervised, dict(zip([n for n, _ in params], _grads(params))))
+        grads = dict(zip([n for n, _ in params], _grads(params)))
+        case.reference = OneByOne(logits, loss.item(), supervised, grads, case.model_cfg)
     return case.reference
 
 

@@ -15,10 +15,11 @@ Every training is counted (``launch.RUN_COUNTS``); the session prints the counts
 from __future__ import annotations
 
 import atexit
-import io
+import faulthandler
 import multiprocessing
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -32,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from .launch import LAUNCH_ENV, count_launch
+from .launch import LAUNCH_ENV, RUN_COUNTS, count_launch
 
 POOL_START_TIMEOUT = 120.0
 
@@ -55,27 +56,34 @@ def _one_thread():
         torch.set_num_threads(before)
 
 
-def _run_job(recipe: str, run_dir: str, overrides: Sequence[str]) -> tuple[int, str, str]:
+def _run_job(recipe: str, run_dir: str, overrides: Sequence[str], log: Path) -> tuple[int, str, str]:
     """One run of ``recipes.<recipe>.train`` with ``overrides`` writing to ``run_dir``, as its command line would
     run it (``run_recipe``: a config or data error is one stderr line and exit status 1); returns (status, stdout,
-    stderr)."""
+    stderr). The outputs go to ``log`` + ``.out`` / ``.err`` as they are written, where a run that hangs can still be
+    read (with its threads' stacks, dumped on SIGUSR1)."""
     from accelerate.state import AcceleratorState
 
     from ..trainer import run_recipe
     from .structure import compose_config, load_recipe
 
     AcceleratorState._reset_state(reset_partial_state=True)  # the last run's process group is gone
-    out, err = io.StringIO(), io.StringIO()
     status = 0
-    with redirect_stdout(out), redirect_stderr(err), _one_thread():
+    out_path, err_path = log.with_suffix(".out"), log.with_suffix(".err")
+    with open(out_path, "w", buffering=1) as out, open(err_path, "w", buffering=1) as err:
+        faulthandler.register(signal.SIGUSR1, file=err, all_threads=True)
         try:
-            run_recipe(compose_config(recipe, [f"train.output_dir={run_dir}", *overrides]), load_recipe(recipe))
-        except SystemExit as stop:
-            status = stop.code if isinstance(stop.code, int) else 1
-        except BaseException:  # noqa: BLE001 - reported as a launch reports a crash: status 1 and the traceback
-            traceback.print_exc()
-            status = 1
-    return status, out.getvalue(), err.getvalue()
+            with redirect_stdout(out), redirect_stderr(err), _one_thread():
+                try:
+                    run_recipe(compose_config(recipe, [f"train.output_dir={run_dir}", *overrides]),
+                               load_recipe(recipe))
+                except SystemExit as stop:
+                    status = stop.code if isinstance(stop.code, int) else 1
+                except BaseException:  # noqa: BLE001 - reported as a launch reports a crash: status 1 and the traceback
+                    traceback.print_exc()
+                    status = 1
+        finally:
+            faulthandler.unregister(signal.SIGUSR1)
+    return status, out_path.read_text(), err_path.read_text()
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -91,10 +99,10 @@ def _worker(rank: int, nproc: int, parent: int, jobs, results) -> None:
     # a spawned process inherits "spawn" as its default start method; a launched rank's DataLoader workers fork
     multiprocessing.set_start_method("fork", force=True)
     while (job := jobs.get()) is not None:
-        recipe, run_dir, overrides, port = job
+        recipe, run_dir, overrides, port, log = job
         os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
                            "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-        results.put((rank, *_run_job(recipe, run_dir, overrides)))
+        results.put((rank, *_run_job(recipe, run_dir, overrides, Path(f"{log}.rank{rank}"))))
 
 
 class RankPool:
@@ -123,11 +131,12 @@ class RankPool:
     def alive(self) -> bool:
         return all(worker.is_alive() for worker in self.workers)
 
-    def run(self, recipe: str, run_dir: Path, overrides: Sequence[str], timeout: float) -> list[tuple]:
-        """Each rank's (status, stdout, stderr), in rank order; raises after ``timeout`` (the pool is stopped)."""
+    def run(self, recipe: str, run_dir: Path, overrides: Sequence[str], timeout: float, log: Path) -> list[tuple]:
+        """Each rank's (status, stdout, stderr), in rank order; raises after ``timeout`` with what the ranks still
+        running had written and where they were (the pool is stopped)."""
         port = _free_port()
         for queue in self.jobs:
-            queue.put((recipe, str(run_dir), list(overrides), port))
+            queue.put((recipe, str(run_dir), list(overrides), port, str(log)))
         done: dict[int, tuple] = {}
         deadline = time.monotonic() + timeout
         while len(done) < self.nproc:
@@ -136,10 +145,26 @@ class RankPool:
                 done[rank] = tuple(result)
             except Exception:  # noqa: BLE001 - queue.Empty: check the deadline and the workers
                 if time.monotonic() > deadline or not self.alive():
+                    stuck = self._dump_stuck(done, log)
                     self.stop()
                     raise AssertionError(f"{self.nproc}-rank run of {recipe} {' '.join(overrides)} did not finish "
-                                         f"in {timeout} s (or a rank died); ranks done: {sorted(done)}") from None
+                                         f"in {timeout} s (or a rank died); ranks done: {sorted(done)}\n{stuck}"
+                                         ) from None
         return [done[rank] for rank in range(self.nproc)]
+
+    def _dump_stuck(self, done: dict, log: Path) -> str:
+        """The tails of what each rank not done wrote, its threads' stacks included (SIGUSR1: faulthandler)."""
+        for rank, worker in enumerate(self.workers):
+            if rank not in done and worker.is_alive():
+                os.kill(worker.pid, signal.SIGUSR1)
+        time.sleep(2)
+        tails = []
+        for rank in range(self.nproc):
+            for suffix in (".out", ".err"):
+                path = Path(f"{log}.rank{rank}{suffix}")
+                if rank not in done and path.is_file():
+                    tails.append(f"--- rank {rank} {suffix[1:]} ---\n{path.read_text()[-4000:]}")
+        return "\n".join(tails)
 
     def stop(self) -> None:
         for queue, worker in zip(self.jobs, self.workers):
@@ -179,12 +204,14 @@ def train(recipe: str, run_dir: Path, overrides: Sequence[str] = (), nproc: int 
     session's pool. ``check``: fail with the output unless it exited 0."""
     run_dir = Path(run_dir)
     command = [f"recipes.{recipe}.train", f"train.output_dir={run_dir}", *overrides]
+    log = _session_root() / "logs" / f"run{sum(RUN_COUNTS.values())}"
+    log.parent.mkdir(exist_ok=True)
     if nproc == 1:
         count_launch("in-process")
-        ranks = [_run_job(recipe, str(run_dir), overrides)]
+        ranks = [_run_job(recipe, str(run_dir), overrides, log)]
     else:
         count_launch("pooled")
-        ranks = _pool(nproc).run(recipe, run_dir, overrides, timeout)
+        ranks = _pool(nproc).run(recipe, run_dir, overrides, timeout, log)
     status = max((r[0] for r in ranks), key=abs)
     result = subprocess.CompletedProcess(command, status, "".join(r[1] for r in ranks), "".join(r[2] for r in ranks))
     if check and status != 0:
