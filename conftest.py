@@ -24,5 +24,5 @@ def pytest_collection_modifyitems(config, items):
 def pytest_terminal_summary(terminalreporter):
     from mvp_engine.engine.testkit.launch import RUN_COUNTS
 
-    counts = ", ".join(f"{how} {RUN_COUNTS[how]}" for how in ("launched", "pooled", "spawned", "in-process"))
+    counts = ", ".join(f"{how} {RUN_COUNTS[how]}" for how in ("launched", "pooled", "in-process"))
     terminalreporter.write_line(f"trainings: {counts}")

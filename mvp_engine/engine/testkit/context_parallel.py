@@ -3,9 +3,9 @@ unsplit (logits of every position, the loss, every parameter's gradient summed o
 
 The rows are the equivalence case's (several samples with images, a text-only sample, the recipe's clip when it
 takes video) padded so that the cut between the two ranks falls inside an image's placeholder run: its features
-are cut by the exchange, never its pixels. The CP side runs in two spawned processes (``torch.multiprocessing``
-over a file store) on one saved batch, each with the engine's own ``sequence_parallel_forward``; the unsplit
-reference runs in the first of them before any CP group is set, so both sides see the same inputs and process state.
+are cut by the exchange, never its pixels. The CP side runs on the session's two pooled ranks (``runs.run_on_ranks``,
+a gloo group over a file store) on one saved batch, each with the engine's own ``sequence_parallel_forward``; the
+unsplit reference runs in the first of them, so both sides see the same inputs and process state.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from mvp_engine.packing import SequenceShard, enable_ulysses
 
@@ -25,8 +24,8 @@ from ..loss import weighted_token_loss
 from ..participation import dummy_passes, media_kinds
 from ..recipe import Recipe
 from .equivalence import EquivalenceCase, collate_rows
-from .launch import count_launch, final_weights, max_weight_difference, read_metrics, read_summary
-from .runs import shared_mixed_jsonl, train
+from .launch import final_weights, max_weight_difference, read_metrics, read_summary
+from .runs import run_on_ranks, shared_mixed_jsonl, train
 from .structure import backward_available, compose_config, load_recipe
 
 CP_SIZE = 2
@@ -100,10 +99,10 @@ def _relative(gradients: list[torch.Tensor], reference: list[torch.Tensor]) -> f
     return worst
 
 
-def _split_worker(rank: int, recipe_name: str, workdir: str, backends: list[str]) -> None:
+def _split_worker(rank: int, recipe_name: str, workdir: str, backends: list[str]) -> list[SplitReport] | None:
     """One CP rank, on the batch the caller saved (every process the same inputs, nothing encoded twice): per
-    backend, rank 0 first runs the unsplit reference (no CP group set), then both ranks the split forward and
-    backward; rank 0 writes each backend's report."""
+    backend, rank 0 first runs the unsplit reference, then both ranks the split forward and backward; rank 0
+    returns each backend's report."""
     dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=CP_SIZE)
     try:
         recipe, model_cfg = load_recipe(recipe_name), compose_config(recipe_name).model
@@ -123,21 +122,18 @@ def _split_worker(rank: int, recipe_name: str, workdir: str, backends: list[str]
                 reports.append(SplitReport(backend, float((torch.cat(pieces, dim=1) - ref_logits).abs().max()),
                                            abs(float(loss) - float(ref_loss)),
                                            None if gradients is None else _relative(gradients, ref_gradients)))
-        if rank == 0:
-            torch.save(reports, Path(workdir) / "reports.pt")
+        return reports if rank == 0 else None
     finally:
         dist.destroy_process_group()
 
 
 def check_split_row_equivalence(case: EquivalenceCase, backends: list[str], workdir: Path) -> list[SplitReport]:
-    """CP = 2 (two spawned gloo ranks) vs unsplit on each of ``backends``, on the case's rows cut inside an image
+    """CP = 2 (two pooled gloo ranks) vs unsplit on each of ``backends``, on the case's rows cut inside an image
     (:func:`split_inside_media`): the whole rows' logits, the loss and every parameter gradient (summed over the CP
     ranks) agree; returns one report per backend."""
     workdir = Path(tempfile.mkdtemp(dir=workdir))
     torch.save(split_inside_media(case), workdir / "batch.pt")
-    count_launch("spawned")
-    mp.spawn(_split_worker, args=(case.recipe.name, str(workdir), list(backends)), nprocs=CP_SIZE, join=True)
-    return torch.load(workdir / "reports.pt", weights_only=False)
+    return run_on_ranks(CP_SIZE, _split_worker, case.recipe.name, str(workdir), list(backends))[0]
 
 
 def check_split_training(recipe: str, run_dir: Path, split: tuple[int, int], reference: tuple[int, int],

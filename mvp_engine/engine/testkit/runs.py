@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import faulthandler
+import importlib
 import multiprocessing
 import os
 import shutil
@@ -56,26 +57,33 @@ def _one_thread():
         torch.set_num_threads(before)
 
 
-def _run_job(recipe: str, run_dir: str, overrides: Sequence[str], log: Path) -> tuple[int, str, str]:
+def _train_job(recipe: str, run_dir: str, overrides: Sequence[str]) -> None:
     """One run of ``recipes.<recipe>.train`` with ``overrides`` writing to ``run_dir``, as its command line would
-    run it (``run_recipe``: a config or data error is one stderr line and exit status 1); returns (status, stdout,
-    stderr). The outputs go to ``log`` + ``.out`` / ``.err`` as they are written, where a run that hangs can still be
-    read (with its threads' stacks, dumped on SIGUSR1)."""
+    run it (``run_recipe``: a config or data error is one stderr line and exit status 1)."""
     from accelerate.state import AcceleratorState
 
     from ..trainer import run_recipe
     from .structure import compose_config, load_recipe
 
     AcceleratorState._reset_state(reset_partial_state=True)  # the last run's process group is gone
-    status = 0
-    out_path, err_path = log.with_suffix(".out"), log.with_suffix(".err")
+    run_recipe(compose_config(recipe, [f"train.output_dir={run_dir}", *overrides]), load_recipe(recipe))
+
+
+def _call(target: str, args: tuple, log: Path) -> tuple[int, object, str, str]:
+    """``target`` (``module:function``) called with ``args`` as a launched process would run it: (exit status,
+    return value, stdout, stderr); a raised exception is status 1 with its traceback on stderr. The outputs go to
+    ``log`` + ``.out`` / ``.err`` as they are written, where a call that hangs can still be read (with its threads'
+    stacks, dumped on SIGUSR1). Compiled kernels of an earlier call are dropped, as a fresh process has none."""
+    module, name = target.split(":")
+    torch._dynamo.reset()
+    status, value = 0, None
+    out_path, err_path = Path(f"{log}.out"), Path(f"{log}.err")
     with open(out_path, "w", buffering=1) as out, open(err_path, "w", buffering=1) as err:
         faulthandler.register(signal.SIGUSR1, file=err, all_threads=True)
         try:
             with redirect_stdout(out), redirect_stderr(err), _one_thread():
                 try:
-                    run_recipe(compose_config(recipe, [f"train.output_dir={run_dir}", *overrides]),
-                               load_recipe(recipe))
+                    value = getattr(importlib.import_module(module), name)(*args)
                 except SystemExit as stop:
                     status = stop.code if isinstance(stop.code, int) else 1
                 except BaseException:  # noqa: BLE001 - reported as a launch reports a crash: status 1 and the traceback
@@ -83,7 +91,7 @@ def _run_job(recipe: str, run_dir: str, overrides: Sequence[str], log: Path) -> 
                     status = 1
         finally:
             faulthandler.unregister(signal.SIGUSR1)
-    return status, out_path.read_text(), err_path.read_text()
+    return status, value, out_path.read_text(), err_path.read_text()
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -99,10 +107,10 @@ def _worker(rank: int, nproc: int, parent: int, jobs, results) -> None:
     # a spawned process inherits "spawn" as its default start method; a launched rank's DataLoader workers fork
     multiprocessing.set_start_method("fork", force=True)
     while (job := jobs.get()) is not None:
-        recipe, run_dir, overrides, port, log = job
+        target, args, with_rank, port, log = job
         os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
                            "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-        results.put((rank, *_run_job(recipe, run_dir, overrides, Path(f"{log}.rank{rank}"))))
+        results.put((rank, *_call(target, (rank, *args) if with_rank else args, Path(f"{log}.rank{rank}"))))
 
 
 class RankPool:
@@ -131,12 +139,13 @@ class RankPool:
     def alive(self) -> bool:
         return all(worker.is_alive() for worker in self.workers)
 
-    def run(self, recipe: str, run_dir: Path, overrides: Sequence[str], timeout: float, log: Path) -> list[tuple]:
-        """Each rank's (status, stdout, stderr), in rank order; raises after ``timeout`` with what the ranks still
-        running had written and where they were (the pool is stopped)."""
+    def run(self, target: str, args: tuple, timeout: float, log: Path, with_rank: bool = False) -> list[tuple]:
+        """``target`` called with ``args`` (after the rank, ``with_rank``) on every rank: each rank's (status,
+        value, stdout, stderr), in rank order; raises after ``timeout`` with what the ranks still running had
+        written and where they were (the pool is stopped)."""
         port = _free_port()
         for queue in self.jobs:
-            queue.put((recipe, str(run_dir), list(overrides), port, str(log)))
+            queue.put((target, args, with_rank, port, str(log)))
         done: dict[int, tuple] = {}
         deadline = time.monotonic() + timeout
         while len(done) < self.nproc:
@@ -147,9 +156,8 @@ class RankPool:
                 if time.monotonic() > deadline or not self.alive():
                     stuck = self._dump_stuck(done, log)
                     self.stop()
-                    raise AssertionError(f"{self.nproc}-rank run of {recipe} {' '.join(overrides)} did not finish "
-                                         f"in {timeout} s (or a rank died); ranks done: {sorted(done)}\n{stuck}"
-                                         ) from None
+                    raise AssertionError(f"{self.nproc}-rank call of {target}{args} did not finish in {timeout} s "
+                                         f"(or a rank died); ranks done: {sorted(done)}\n{stuck}") from None
         return [done[rank] for rank in range(self.nproc)]
 
     def _dump_stuck(self, done: dict, log: Path) -> str:
@@ -197,6 +205,15 @@ def _end_session() -> None:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def _log() -> Path:
+    log = _session_root() / "logs" / f"run{sum(RUN_COUNTS.values())}"
+    log.parent.mkdir(exist_ok=True)
+    return log
+
+
+TRAIN_JOB = f"{__name__}:_train_job"
+
+
 def train(recipe: str, run_dir: Path, overrides: Sequence[str] = (), nproc: int = 1, timeout: float = 600,
           check: bool = True) -> subprocess.CompletedProcess:
     """A real training of ``recipe`` into ``run_dir`` on ``nproc`` ranks (gloo), read like a launch: exit status,
@@ -204,20 +221,33 @@ def train(recipe: str, run_dir: Path, overrides: Sequence[str] = (), nproc: int 
     session's pool. ``check``: fail with the output unless it exited 0."""
     run_dir = Path(run_dir)
     command = [f"recipes.{recipe}.train", f"train.output_dir={run_dir}", *overrides]
-    log = _session_root() / "logs" / f"run{sum(RUN_COUNTS.values())}"
-    log.parent.mkdir(exist_ok=True)
+    args = (recipe, str(run_dir), list(overrides))
     if nproc == 1:
         count_launch("in-process")
-        ranks = [_run_job(recipe, str(run_dir), overrides, log)]
+        ranks = [_call(TRAIN_JOB, args, _log())]
     else:
         count_launch("pooled")
-        ranks = _pool(nproc).run(recipe, run_dir, overrides, timeout, log)
+        ranks = _pool(nproc).run(TRAIN_JOB, args, timeout, _log())
     status = max((r[0] for r in ranks), key=abs)
-    result = subprocess.CompletedProcess(command, status, "".join(r[1] for r in ranks), "".join(r[2] for r in ranks))
+    result = subprocess.CompletedProcess(command, status, "".join(r[2] for r in ranks), "".join(r[3] for r in ranks))
     if check and status != 0:
         raise AssertionError(f"{' '.join(command)} ({nproc} ranks) exited {status}:\n{result.stdout[-3000:]}\n"
                              f"{result.stderr[-6000:]}")
     return result
+
+
+def run_on_ranks(nproc: int, fn, *args, timeout: float = 600) -> list:
+    """``fn(rank, *args)`` on each of ``nproc`` pooled ranks (``fn`` a module-level function; the ranks'
+    environment is torchrun's, each call sets up its own process group): the return values in rank order. Where
+    ``torch.multiprocessing.spawn`` would start ``nproc`` fresh interpreters per call. Fails with the ranks' output
+    unless every rank returned."""
+    count_launch("pooled")
+    ranks = _pool(nproc).run(f"{fn.__module__}:{fn.__qualname__}", args, timeout, _log(), with_rank=True)
+    if any(status != 0 for status, *_ in ranks):
+        raise AssertionError(f"{fn.__qualname__} on {nproc} ranks failed:\n" + "\n".join(
+            f"--- rank {rank} (status {status}) ---\n{out[-3000:]}\n{err[-6000:]}"
+            for rank, (status, _, out, err) in enumerate(ranks)))
+    return [value for _, value, _, _ in ranks]
 
 
 _CACHE: dict[tuple, Path] = {}
