@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 from mvp_engine.engine.config import CONF_DIR, DemoSpec, LoraSpec, TrainSpec, compose_config
 from mvp_engine.engine.report_config import ReportSpec
 from mvp_engine.kit.mllm.data import MLLMDataSpec, MLLMPackingSpec
+from mvp_engine.packing import ATTENTION_BACKENDS
 
 RECIPES = sorted(path.stem for path in Path(CONF_DIR).glob("*.yaml"))
 # composed node -> its dataclass and the fields it leaves to another group
@@ -105,3 +106,15 @@ def test_every_field_takes_a_plain_override():
                                       "packing.max_media_per_pack=3"])
     assert (cfg.train.time_barrier, cfg.data.measure_workers, cfg.demo.num_samples, cfg.model.lora.merge_on_save,
             cfg.packing.max_media_per_pack) == (True, 2, 7, True, 3)
+
+
+@pytest.mark.parametrize("backend", ATTENTION_BACKENDS)
+def test_every_attention_group_composes_and_sets_only_its_backend(backend):
+    """``attention=<backend>`` is one group file per backend setting ``attention.implementation`` alone: what lets
+    each recipe's structure suite check its packing x attention matrix on copies of one composition per packing."""
+    chosen, default = compose_config("llava", [f"attention={backend}"]), compose_config("llava")
+    assert chosen.attention.implementation == backend
+    chosen.attention.implementation = default.attention.implementation
+    chosen, default = (OmegaConf.to_container(c, resolve=False) for c in (chosen, default))
+    del chosen["hydra"], default["hydra"]  # Hydra's own record of the choices made
+    assert chosen == default

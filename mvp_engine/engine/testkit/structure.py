@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import importlib
 import inspect
 
@@ -52,15 +53,20 @@ def forward_backends(recipe: Recipe) -> list[str]:
 
 
 def check_all_combinations_compose(name: str) -> int:
-    """Every packing x attention combination composes; runnable ones validate, the rest fail naming the key."""
+    """Every packing x attention combination of the recipe's config validates where this machine runs the backend
+    and fails naming the key where it cannot. One composition per packing, the backend set on a copy: choosing an
+    ``attention=<backend>`` group sets exactly that key, for every recipe alike (``tests/test_config_defaults.py``
+    composes each group)."""
     recipe = load_recipe(name)
+    runnable = runnable_backends(recipe)
     checked = 0
     for packing in PACKINGS:
+        composed = compose_config(name, packing_overrides(packing))
+        assert (composed.get("packing") is None) == (packing is None)
         for backend in ATTENTION_BACKENDS:
-            cfg = compose_config(name, [*packing_overrides(packing), f"attention={backend}"])
-            assert cfg.attention.implementation == backend
-            assert (cfg.get("packing") is None) == (packing is None)
-            if backend in runnable_backends(recipe):
+            cfg = copy.deepcopy(composed)
+            cfg.attention.implementation = backend
+            if backend in runnable:
                 specs = resolve_run_specs(cfg, recipe.attention_backends)
                 assert (specs.data.packing is None) == (packing is None)
                 if packing is not None:
