@@ -194,6 +194,7 @@ def test_the_extrapolation_is_linear_through_the_two_sizes():
     assert extra["cold_start_s"]["slope_per_record"] == pytest.approx((25.0 - 3.0) / (L - S))
 
 
+@pytest.mark.launch
 def test_a_phase_runs_as_the_command_in_a_fresh_process(sets, tmp_path, monkeypatch):
     """``run_phase`` starts ``python tools/bench_data.py --phase SPEC`` (installed package, no path edits, the
     caller's working directory): it exits 0 and its numbers come back with the phase's own fields."""

@@ -185,6 +185,7 @@ def test_a_missing_or_failed_measurement_is_a_miss_naming_why():
     assert not one_length[1]["ok"] and "needs two lengths" in one_length[1]["line"]
 
 
+@pytest.mark.launch
 def test_the_command_measures_every_length_and_exits_0(tmp_path):
     """``python tools/bench_long.py`` (installed package, no path edits) on a tiny model, one backend."""
     path = tmp_path / "bench.json"
@@ -217,6 +218,7 @@ def test_cp_targets_judge_saved_bytes_and_vision_at_8192_and_growth():
     assert [t["name"] for t in only] == ["cp_saved", "cp_vision"] and not only[0]["ok"]
 
 
+@pytest.mark.launch
 def test_context_parallel_command_splits_saved_bytes_and_vision_work(tmp_path):
     """``--context-parallel 2`` starts its own 2 gloo ranks: per rank about half the saved bytes and exactly half
     the vision FLOPs of CP = 1 on the same row (4 images of the same size: 2 per rank)."""

@@ -56,6 +56,7 @@ def test_ok_and_miss_are_decided_by_the_targets(fsdp_totals, saved_ratio, expect
     assert [t["line"].endswith("OK" if ok else "MISS") for t, ok in zip(found, expected)] == [True, True]
 
 
+@pytest.mark.launch
 def test_the_command_measures_on_two_ranks_and_its_numbers_hold(tmp_path):
     out = tmp_path / "bench.json"
     result = subprocess.run([sys.executable, str(TOOL), *TINY, "--workdir", "work", "--json", str(out)],

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from mvp_engine.engine.testing import load_recipe
@@ -23,6 +24,7 @@ def _tool():
     return module
 
 
+@pytest.mark.launch
 def test_cli_prints_every_segment_and_passes():
     result = subprocess.run([sys.executable, str(TOOL), "--recipe", "qwen2_vl", "--attention", "eager"],
                             capture_output=True, text=True, timeout=300)

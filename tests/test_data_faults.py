@@ -72,6 +72,7 @@ def test_with_half_allowed_it_trains_to_the_end_and_every_record_is_accounted_fo
     assert sum(e["samples_trained"] for e in summary["epochs"]) == summary["totals"]["samples"]
 
 
+@pytest.mark.launch
 def test_check_data_lists_every_bad_record_in_one_run(messy, tmp_path):
     data, expected = messy
     cmd = [sys.executable, "tools/check_data.py", "--decode", f"data.sources=[{data}]", f"hydra.run.dir={tmp_path}",
@@ -131,6 +132,7 @@ def test_a_corrupt_body_mid_epoch_on_two_ranks_is_left_out_and_the_ranks_stay_in
     assert bad["origin"].endswith(":5") and bad["stage"] == "decode"
 
 
+@pytest.mark.launch
 @pytest.mark.slow
 def test_under_error_a_corrupt_body_stops_both_ranks_together_with_one_line(one_corrupt, tmp_path):
     result = kit.train(RECIPE, tmp_path, corrupt_overrides(one_corrupt, "data.on_bad_record=error"), nproc=2,

@@ -105,6 +105,7 @@ def test_header_size_equals_decoded_size_and_sizes_vary(demo: Path) -> None:
     assert len(sizes) > 50
 
 
+@pytest.mark.launch
 def test_cli_writes_the_dataset(tmp_path: Path) -> None:
     repo = Path(__file__).resolve().parents[1]
     result = subprocess.run(

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from mvp_engine.engine.testing import check_no_torchvision
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p.parent.name for p in (REPO_ROOT / "recipes").glob("*/train.py"))
 
 
+@pytest.mark.launch
 def test_no_recipe_needs_torchvision(tmp_path):
     assert len(RECIPES) >= 9
     check_no_torchvision(RECIPES, tmp_path)

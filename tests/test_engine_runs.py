@@ -21,6 +21,7 @@ from mvp_engine.engine.trainer import Trainer, run_recipe
 CONF = kit.CONF_DIR
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("config,sharding", [("ddp", "none"), ("fsdp2", "fsdp2")])
 def test_accelerate_launch_with_a_config_trains_two_processes_in_one_run_directory(config, sharding, tmp_path):
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
@@ -64,6 +65,7 @@ def test_every_way_out_of_a_run_tears_the_process_group_down(tmp_path, capsys):
     assert not torch.distributed.is_initialized()
 
 
+@pytest.mark.launch
 @pytest.mark.gpu
 def test_fsdp2_trains_on_cuda(tmp_path):
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONF / "accelerate" / "fsdp2.yaml"),

@@ -160,6 +160,7 @@ def test_packed_evaluation_gives_the_unpacked_loss_whatever_the_packing_and_micr
     assert abs(kit.read_summary(reference)["eval"]["eval_loss"] - base["eval_loss"]) <= EVAL_TOL
 
 
+@pytest.mark.launch
 def test_two_context_parallel_ranks_evaluate_what_one_process_does(reference, data, tmp_path):
     """``torchrun`` with 2 gloo ranks and ``train.context_parallel_size=2``: each rank computes the loss of its half
     of every row, the sums are reduced, rows and samples are counted once. (2 data-parallel ranks, each with its

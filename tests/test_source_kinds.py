@@ -133,6 +133,7 @@ def test_check_data_names_a_bad_row_by_its_source_and_row(rows, tmp_path, kind):
     assert report.records_read == NUM_RECORDS
 
 
+@pytest.mark.launch
 def test_check_data_cli_on_a_mix_with_decode_names_every_bad_record_and_exits_1(rows, tmp_path):
     bad_rows = with_bad_rows(rows)
     jsonl = write_source("jsonl", tmp_path / "lines", bad_rows[:3])

@@ -63,6 +63,7 @@ def reference_dataset(cfg, rank: int = 0, world_size: int = 1):
 # --- the command line ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.launch
 def test_pack_report_cli_writes_json_and_png_of_the_computed_numbers(demo_dir, tmp_path):
     """``python tools/pack_report.py`` runs as a plain script (no ``sys.path`` edit: the package is installed) and
     writes exactly what ``compute_pack_report`` computes."""

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from mvp_engine.engine.testing import hard_commands
 from tools import validate_recipe
 
@@ -23,6 +25,7 @@ def verdicts(stdout: str) -> dict[str, tuple[str, str]]:
     return {m.group(2): (m.group(1), m.group(3)) for m in map(LINE_RE.match, stdout.splitlines()) if m}
 
 
+@pytest.mark.launch
 def test_qwen2_vl_passes_every_soft_check_with_numbers():
     result = subprocess.run([sys.executable, str(TOOL), "qwen2_vl"], capture_output=True, text=True, timeout=300,
                             cwd=REPO_ROOT)

@@ -307,7 +307,7 @@ NO_TORCHVISION_SCRIPT = """
 import sys, traceback
 sys.modules["torchvision"] = None  # any 'import torchvision' now raises ImportError
 from PIL import Image
-from mvp_engine.engine.testing import collate_rows, compose_config, load_recipe
+from mvp_engine.engine.testkit import collate_rows, compose_config, load_recipe
 from mvp_engine.kit.mllm.data import MLLMRecord
 path, names = sys.argv[1], sys.argv[2:]
 Image.new("RGB", (70, 50), (200, 10, 10)).save(path)

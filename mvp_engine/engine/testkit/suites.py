@@ -7,7 +7,7 @@
         recipe = "<name>"
 
 The suites hold no recipe knowledge; a recipe adds its model-specific tests next to them (Qwen2-VL: golden M-RoPE
-positions, guards, the transformers traps). Kept apart from ``mvp_engine.engine.testing`` so importing the kit
+positions, guards, the transformers traps). Kept apart from ``mvp_engine.engine.testkit`` itself so importing the kit
 (tools do) does not import pytest.
 """
 
@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-import mvp_engine.engine.testing as kit
+import mvp_engine.engine.testkit as kit
 from mvp_engine.packing import ATTENTION_BACKENDS, BACKENDS
 
 from ..config import AUTO_ATTENTION, ConfigError, check_attention, resolve_attention
