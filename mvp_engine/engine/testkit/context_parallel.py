@@ -110,7 +110,11 @@ def _split_worker(rank: int, recipe_name: str, workdir: str, backends: list[str]
         shard = SequenceShard(dist.group.WORLD, rank, CP_SIZE)
         reports = []
         for backend in backends:
-            reference = _forward_and_grads(recipe, model_cfg, batch, backend, None) if rank == 0 else None
+            # flex without a CPU backward compares its forward with the unsplit row on sdpa: the same masked
+            # attention (the equivalence suite holds flex == sdpa), without compiling flex a second time for the
+            # whole row's shapes (5-10 s a recipe on a cold compile cache)
+            unsplit = "sdpa" if not backward_available(backend) else backend
+            reference = _forward_and_grads(recipe, model_cfg, batch, unsplit, None) if rank == 0 else None
             logits, loss, gradients = _forward_and_grads(recipe, model_cfg, batch, backend, shard)
             pieces = [torch.empty_like(logits) for _ in range(CP_SIZE)]
             dist.all_gather(pieces, logits.contiguous())
