@@ -248,6 +248,7 @@ def test_a_tracker_whose_package_is_missing_names_the_pip_install(monkeypatch, n
                           kit.load_recipe(RECIPE).attention_backends)
 
 
+@pytest.mark.launch
 def test_a_two_rank_fsdp2_run_evaluates_its_model_as_one_process_does(data, tmp_path):
     """2 gloo ranks training under FSDP2 (every rank runs the vision tower in every eval forward, as FSDP2's gathers
     need; DDP's ranks each hold the whole model, the stand-alone 2-rank case): the run's final eval_loss is the

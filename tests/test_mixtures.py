@@ -279,6 +279,7 @@ def test_a_resumed_run_draws_and_counts_what_the_uninterrupted_one_did(reference
     assert kit.read_summary(tmp_path)["sources"] == kit.read_summary(run)["sources"]
 
 
+@pytest.mark.launch
 def test_two_ranks_draw_and_train_what_one_rank_does(reference, tmp_path):
     """2 gloo ranks x micro-batch 1 split the same global batch as 1 rank x micro-batch 2: the same steps, the same
     per-source numbers (a rank drawing another fraction of b would train other records)."""

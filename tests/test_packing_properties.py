@@ -79,6 +79,7 @@ def check_plan(spec, lengths, media, plan):
         assert lengths[i] > spec.max_seq_len and plan.lengths[i] == spec.max_seq_len
 
 
+@pytest.mark.slow  # 1500 examples: CI runs it, the inner loop (make test-fast) does not
 @FAST
 @given(spec=specs, data=samples())
 def test_plan_places_every_sample_once_within_caps(spec, data):
@@ -88,6 +89,7 @@ def test_plan_places_every_sample_once_within_caps(spec, data):
     assert list(build(data, spec).plan(0).packs) == list(plan.packs), "planning is not deterministic"
 
 
+@pytest.mark.slow  # 1500 examples: CI runs it, the inner loop (make test-fast) does not
 @FAST
 @given(data=samples(max_len=120, max_count=120), seed=st.integers(0, 5))
 def test_bfd_fast_path_matches_item_by_item_quality(data, seed):
