@@ -65,12 +65,12 @@ class SplitReport:
                 f"max relative grad diff {grads}")
 
 
-def _forward_and_grads(recipe: Recipe, model_cfg, batch: dict, backend: str, shard: SequenceShard | None):
+def _forward_and_grads(recipe: Recipe, model_cfg, encoder, batch: dict, backend: str, shard: SequenceShard | None):
     """Logits (this rank's chunk under CP), this rank's part of the token-mean loss over the whole rows, and the
     parameter gradients (None where backward is not available)."""
     model = recipe.build_model(model_cfg, backend).eval()
-    # the kinds the recipe feeds, with their own per-item fields, as training hands them to the vision tower's share
-    encoder = recipe.build_encoder(recipe.build_processor(model_cfg))
+    # the kinds the recipe's encoder feeds, with their own per-item fields, as training hands them to the vision
+    # tower's share
     dummy, kinds = recipe.dummy_media(model), media_kinds(model, encoder)
     grads = backward_available(backend)
     with torch.set_grad_enabled(grads):
@@ -106,6 +106,7 @@ def _split_worker(rank: int, recipe_name: str, workdir: str, backends: list[str]
     dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=CP_SIZE)
     try:
         recipe, model_cfg = load_recipe(recipe_name), compose_config(recipe_name).model
+        encoder = recipe.build_encoder(recipe.build_processor(model_cfg))
         batch = torch.load(Path(workdir) / "batch.pt")
         shard = SequenceShard(dist.group.WORLD, rank, CP_SIZE)
         reports = []
@@ -114,8 +115,8 @@ def _split_worker(rank: int, recipe_name: str, workdir: str, backends: list[str]
             # attention (the equivalence suite holds flex == sdpa), without compiling flex a second time for the
             # whole row's shapes (5-10 s a recipe on a cold compile cache)
             unsplit = "sdpa" if not backward_available(backend) else backend
-            reference = _forward_and_grads(recipe, model_cfg, batch, unsplit, None) if rank == 0 else None
-            logits, loss, gradients = _forward_and_grads(recipe, model_cfg, batch, backend, shard)
+            reference = _forward_and_grads(recipe, model_cfg, encoder, batch, unsplit, None) if rank == 0 else None
+            logits, loss, gradients = _forward_and_grads(recipe, model_cfg, encoder, batch, backend, shard)
             pieces = [torch.empty_like(logits) for _ in range(CP_SIZE)]
             dist.all_gather(pieces, logits.contiguous())
             dist.all_reduce(loss)
