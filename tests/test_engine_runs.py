@@ -16,7 +16,8 @@ from transformers import get_scheduler
 import mvp_engine.engine.testing as kit
 from mvp_engine.engine.config import ConfigError, resolve_attention, resolve_run_specs
 from mvp_engine.engine.demo import with_demo_data
-from mvp_engine.engine.trainer import Trainer, run_recipe
+from mvp_engine.engine.entry import run_recipe
+from mvp_engine.engine.trainer import Trainer
 
 CONF = kit.CONF_DIR
 

@@ -21,9 +21,9 @@ import mvp_engine.engine.testing as kit
 from mvp_engine.engine import trackers
 from mvp_engine.engine.checkpoint import CHECKPOINTS
 from mvp_engine.engine.config import ConfigError, resolve_run_specs
+from mvp_engine.engine.entry import run_recipe
 from mvp_engine.engine.evaluate import EVAL_FILE, evaluate, evaluate_recipe
 from mvp_engine.engine.testkit.records import write_messy_jsonl
-from mvp_engine.engine.trainer import run_recipe
 from mvp_engine.kit.mllm.data import TooManyBadRecords
 
 RECIPE = "llava"

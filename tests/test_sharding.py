@@ -12,8 +12,8 @@ import torch
 
 import mvp_engine.engine.testing as kit
 from mvp_engine.engine.config import ConfigError, TrainSpec
+from mvp_engine.engine.entry import run_recipe
 from mvp_engine.engine.sharding import clip_grad_norm_, shard_model
-from mvp_engine.engine.trainer import run_recipe
 
 
 @pytest.fixture

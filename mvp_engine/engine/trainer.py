@@ -8,13 +8,11 @@ directory (``run_files``), steps with ``train_step.TrainStep``, reports with ``s
 
 from __future__ import annotations
 
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import hydra
 import torch
 from accelerate.utils import gather_object
 from omegaconf import DictConfig
@@ -23,20 +21,16 @@ from tqdm.auto import tqdm
 
 from mvp_engine.kit.mllm.data import (
     BadRecord,
-    MLLMRecordError,
     RecordLedger,
     SourceTally,
     TokenAccounting,
-    TooManyBadRecords,
     token_shares,
 )
 from mvp_engine.kit.mllm.data.steps import estimate_total_steps
 
 from .checkpoint import Checkpointer, RunState
-from .config import CONF_DIR, ConfigError
-from .demo import with_demo_data
 from .flops import batch_flops, device_peak_tflops
-from .launch import describe_processes, end_processes
+from .launch import describe_processes
 from .lora import save_adapters
 from .participation import dummy_passes
 from .preemption import PreemptionWatch, ignore_stop_signals
@@ -417,41 +411,3 @@ class Trainer:
               f"{summary['effective_tokens_per_s']:.0f}, padding {summary['totals']['padding_ratio']:.1%}, "
               f"dropped {summary['totals']['dropped']}; saved to {model_dir}")
 
-
-def run_recipe(cfg: DictConfig, recipe: Recipe) -> dict:
-    """Hydra entry body of every recipe: a bad config or bad data stops the run with one line on stderr naming the
-    key or the record, exit status 1; the process group is torn down on every way out."""
-    try:
-        outcome = _run_or_stop_line(cfg, recipe)
-        if isinstance(outcome, dict):
-            return outcome
-        # printed before the process group goes down (``SystemExit(line)`` would print it only after: a launcher
-        # kills the other ranks as soon as one exits, so a slower rank's line would be lost)
-        print(outcome, file=sys.stderr, flush=True)
-        raise SystemExit(1)
-    finally:
-        end_processes()
-
-
-def _run_or_stop_line(cfg: DictConfig, recipe: Recipe) -> dict | str:
-    """The run's summary, or the one line a config or data error stops it with. The error is not re-raised: its
-    traceback holds the trainer and its DDP model, and a DDP reducer that outlives the process-group teardown is
-    destroyed at interpreter exit, where gloo's worker thread can deadlock on the GIL (seen: both ranks of a 2-rank
-    ``on_bad_record=error`` run hung in ``~ProcessGroupGloo``). Returning drops the traceback here, so
-    ``end_processes`` collects the model before the group goes."""
-    try:
-        return Trainer(with_demo_data(cfg), recipe).run()
-    except ConfigError as err:
-        return f"config error: {err}"
-    except (MLLMRecordError, TooManyBadRecords) as err:  # while planning, or while decoding (all ranks at one step)
-        return f"data error: {err}"
-
-
-def hydra_main(recipe: Recipe):
-    """The ``main()`` of ``recipes/<name>/train.py``: Hydra over ``conf/<name>.yaml``, then :func:`run_recipe`."""
-
-    @hydra.main(config_path=str(CONF_DIR), config_name=recipe.name, version_base="1.3")
-    def main(cfg: DictConfig) -> None:
-        run_recipe(cfg, recipe)
-
-    return main

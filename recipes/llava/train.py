@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from mvp_engine.engine.entry import hydra_main
 from mvp_engine.engine.recipe import Recipe
-from mvp_engine.engine.trainer import hydra_main
 
 from . import model, packed
 from .encoder import LlavaSampleEncoder

@@ -62,7 +62,7 @@ def _train_job(recipe: str, run_dir: str, overrides: Sequence[str]) -> None:
     run it (``run_recipe``: a config or data error is one stderr line and exit status 1)."""
     from accelerate.state import AcceleratorState
 
-    from ..trainer import run_recipe
+    from ..entry import run_recipe
     from .structure import compose_config, load_recipe
 
     AcceleratorState._reset_state(reset_partial_state=True)  # the last run's process group is gone
