@@ -1,4 +1,6 @@
-"""Preemption: SIGTERM (what SLURM and Kubernetes send before a kill) ends the run at the next step boundary.
+"""Preemption: SIGTERM (what SLURM and Kubernetes send before a kill) and SIGINT (Ctrl-C) end the run at the next
+step boundary, with a checkpoint; a second SIGINT stops at once (``KeyboardInterrupt``), as a user pressing Ctrl-C
+twice expects.
 
 The handler only sets a flag, so no step or collective is interrupted half-way. At each step boundary the ranks
 sum their flags in one tiny all-reduce (the trainer's, which carries its other stop reasons too): a signal that
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 import signal
 
-STOP_SIGNALS = (signal.SIGTERM,)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class PreemptionWatch:
@@ -22,6 +24,8 @@ class PreemptionWatch:
         self._previous: dict[int, object] = {}
 
     def _handle(self, signum, frame) -> None:
+        if signum == signal.SIGINT and self.received == signal.SIGINT:
+            raise KeyboardInterrupt
         self.received = signum
 
     def __enter__(self) -> PreemptionWatch:
@@ -37,6 +41,11 @@ class PreemptionWatch:
     def requested(self) -> bool:
         """This rank got a stop signal; the trainer sums this flag over ranks at each step boundary."""
         return self.received is not None
+
+    @property
+    def reason(self) -> str:
+        """What the run says stopped it: this rank's signal, or another rank's."""
+        return signal.Signals(self.received).name if self.requested else "a stop signal on another rank"
 
 
 def ignore_stop_signals(worker_id: int) -> None:

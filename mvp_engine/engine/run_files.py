@@ -6,7 +6,10 @@ Only ``Trainer.run`` writes them (building a ``Trainer`` writes nothing), and on
 from __future__ import annotations
 
 import json
+import shutil
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from .checkpoint import RunState
@@ -71,6 +74,24 @@ class RunFiles:
                                          "record_id": record.record_id, "draw": draws[index],
                                          "reason": reason}) + "\n")
                 draws[index] += 1
+
+    @staticmethod
+    @contextmanager
+    def written_aside(final: Path) -> Iterator[Path]:
+        """A folder written under ``.<name>.partial`` and renamed to ``final`` once complete: a kill during the
+        final save leaves the previous folder (or none), never one holding only ``config.json``."""
+        partial = final.with_name(f".{final.name}.partial")
+        shutil.rmtree(partial, ignore_errors=True)  # left by a kill during an earlier save
+        partial.mkdir(parents=True)
+        yield partial
+        if final.exists():
+            old = final.with_name(f".{final.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+            partial.rename(final)
+            shutil.rmtree(old)
+        else:
+            partial.rename(final)
 
     def write_summary(self, summary: dict) -> None:
         with open(self.output_dir / SUMMARY, "w") as handle:

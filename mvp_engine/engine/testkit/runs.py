@@ -214,6 +214,26 @@ def _log() -> Path:
 TRAIN_JOB = f"{__name__}:_train_job"
 
 
+class RunTimedOut(BaseException):
+    """An in-process run past its timeout: a BaseException, so no ``except Exception`` of the run swallows it."""
+
+
+@contextmanager
+def _deadline(seconds: float, what: str):
+    """Interrupt an in-process run that outlives ``seconds`` (a SIGALRM raising in this, the main, thread: a loop
+    that never ends fails the test instead of blocking the suite)."""
+    def interrupt(signum, frame):
+        raise RunTimedOut(f"{what} did not finish in {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def train(recipe: str, run_dir: Path, overrides: Sequence[str] = (), nproc: int = 1, timeout: float = 600,
           check: bool = True) -> subprocess.CompletedProcess:
     """A real training of ``recipe`` into ``run_dir`` on ``nproc`` ranks (gloo), read like a launch: exit status,
@@ -224,7 +244,8 @@ def train(recipe: str, run_dir: Path, overrides: Sequence[str] = (), nproc: int 
     args = (recipe, str(run_dir), list(overrides))
     if nproc == 1:
         count_launch("in-process")
-        ranks = [_call(TRAIN_JOB, args, _log())]
+        with _deadline(timeout, " ".join(command)):
+            ranks = [_call(TRAIN_JOB, args, _log())]
     else:
         count_launch("pooled")
         ranks = _pool(nproc).run(TRAIN_JOB, args, timeout, _log())
