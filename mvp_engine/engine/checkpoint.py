@@ -67,6 +67,8 @@ class RunState:
     world_size: int = 1
     micro_batch_size: int = 1
     gradient_accumulation_steps: int = 1
+    # what the run is (run_identity.py): a resume by another run refuses; None in checkpoints written before it
+    identity: dict | None = None
 
     def accounting(self) -> TokenAccounting:
         counts = {k: v for k, v in self.totals.items() if k in TokenAccounting._counts()}

@@ -42,6 +42,7 @@ from .launch import build_accelerator
 from .parallel import ParallelLayout, build_layout, parallelize, plan_layout, row_multiple
 from .participation import ParameterReport, media_kinds
 from .recipe import Recipe
+from .run_identity import check_identity, run_identity
 from .run_model import PURPOSES, prepare_model
 from .train_step import TrainStep
 
@@ -64,6 +65,7 @@ class Run:
     accelerator: Accelerator | None = None
     output_dir: Path | None = None
     resume_from: Path | None = None  # the checkpoint a training run starts from (None: a fresh start)
+    identity: dict | None = None  # what a training run is (run_identity), recorded in its checkpoints
     dummy_media: dict = field(default_factory=dict)
     media_kinds: tuple[MediaKind, ...] = (IMAGES,)
     cost_profile: CostProfile | None = None
@@ -131,7 +133,8 @@ def _assemble(cfg: DictConfig, recipe: Recipe, specs: RunSpecs, purpose: str) ->
     training, train = purpose == "train", specs.train
     accelerator, output_dir = _start(specs, training)
     layout = build_layout(accelerator, train.context_parallel_size, specs.data.packing is not None)
-    resume_from = _resume_point(train, output_dir, layout) if training else None
+    identity = run_identity(recipe.name, specs) if training else None
+    resume_from = _resume_point(train, output_dir, layout, identity) if training else None
     processor = recipe.build_processor(cfg.model)
     encoder = recipe.build_encoder(processor)
     # FSDP2 from a pretrained folder: rank 0 alone reads the weights, the other ranks build on the meta device and
@@ -142,7 +145,7 @@ def _assemble(cfg: DictConfig, recipe: Recipe, specs: RunSpecs, purpose: str) ->
     if not training:
         model = model.to(accelerator.device)
     run = Run(recipe, cfg, specs, purpose, layout, processor, encoder, model, parameters, accelerator, output_dir,
-              resume_from, recipe.dummy_media(model), media_kinds(model, encoder))
+              resume_from, identity, recipe.dummy_media(model), media_kinds(model, encoder))
     if training:
         # FLOPs per unit of work of this model as it trains: the per-step FLOPs and MFU, and packing.balance=compute
         run.cost_profile = recipe_cost_profile(recipe, model)
@@ -172,11 +175,16 @@ def _start(specs: RunSpecs, training: bool) -> tuple[Accelerator, Path]:
     return accelerator, output_dir
 
 
-def _resume_point(train: TrainSpec, output_dir: Path, layout: ParallelLayout) -> Path | None:
-    """The checkpoint the run resumes from (``train.resume_from``), its split checked before anything is built."""
+def _resume_point(train: TrainSpec, output_dir: Path, layout: ParallelLayout, identity: dict) -> Path | None:
+    """The checkpoint the run resumes from (``train.resume_from``), its split and its run's ``identity`` checked
+    before anything is built."""
     resume_from = resolve_resume(train.resume_from, output_dir)
     if resume_from is not None:
-        load_run_state(resume_from).check_resume(*step_shape(train, layout), train.drop_last, source=resume_from)
+        state = load_run_state(resume_from)
+        state.check_resume(*step_shape(train, layout), train.drop_last, source=resume_from)
+        warning = check_identity(state.identity, identity, resume_from)
+        if warning and layout.rank == 0:
+            print(warning)
     return resume_from
 
 

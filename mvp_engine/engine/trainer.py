@@ -182,14 +182,15 @@ class Trainer:
         if self.resume_from is None:
             world_size, micro_batch_size, accumulation = self.parts.step_shape
             return RunState(world_size=world_size, micro_batch_size=micro_batch_size,
-                            gradient_accumulation_steps=accumulation)
+                            gradient_accumulation_steps=accumulation, identity=self.parts.identity)
         state = checkpointer.load(self.resume_from)
         if self.accelerator.is_main_process:
             print(f"resumed from {self.resume_from}: step {state.step}, epoch {state.epoch}, "
                   f"{state.epoch_steps_done} steps into it (saved under world_size {state.world_size} x micro-batch "
                   f"{state.micro_batch_size} x accumulation {state.gradient_accumulation_steps})")
-        # the next checkpoint is written under this run's split
+        # the next checkpoint is written under this run's split, with its identity (checked equal, or new to it)
         state.world_size, state.micro_batch_size, state.gradient_accumulation_steps = self.parts.step_shape
+        state.identity = self.parts.identity
         return state
 
     def _step_log(self, state: RunState, trackers: RunTrackers) -> StepLog:

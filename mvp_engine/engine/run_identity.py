@@ -1,0 +1,171 @@
+"""What a run is, recorded in every checkpoint, so that a resume continues the run that wrote it or refuses.
+
+Why: a checkpoint holds a position (optimizer steps into an epoch's plan) and a schedule (the lr over the run's
+total steps). Both mean something only for the data and the settings they were made with: records appended to a
+source move every later pack, so the position skips samples the new plan puts first; another learning rate, another
+number of epochs (the schedule's total) or another data set train something else under the old run's name.
+
+The identity is every setting of the run's validated specs (deny by default: a setting added later is covered
+without a word here), less :data:`ELASTIC`, the settings that leave the training math alone; plus the recipe, each
+source by name with its path and content fingerprint (the one the length cache keys on: ``store.file_identity``),
+and the model's folders by path and content. World size, micro-batch and accumulation are checked as a split of
+the same global batch by ``RunState.check_resume``, not here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from mvp_engine.kit.mllm.data import MLLMDataSpec
+from mvp_engine.kit.mllm.data.store import digest, file_identity
+
+from .config import ConfigError, RunSpecs
+
+# settings a resume may change, with why the run stays the same run (the table in README.md and skills/)
+ELASTIC = {
+    # the global batch split (RunState.check_resume): packs go to steps before ranks
+    "train.micro_batch_size", "train.gradient_accumulation_steps", "train.context_parallel_size",
+    # where and how often the run reports and saves
+    "train.output_dir", "train.resume_from", "train.save_every_steps", "train.keep_last", "train.log_every",
+    "train.report_to", "train.eval_every_steps", "train.peak_tflops", "train.time_barrier",
+    # how the same math is laid out: loader processes, sharding (DCP reshards), recomputation
+    "train.num_workers", "train.sharding", "train.activation_checkpointing", "attention",
+    # where and how lengths are measured (the cache keys on content), and whether bad records stop the run
+    "data.cache_dir", "data.measure_cache", "data.measure_workers", "data.on_bad_record", "data.max_bad_fraction",
+    # the format of the final save, not what is trained
+    "model.lora.merge_on_save",
+}
+SCHEDULE_NOTE = "(the lr schedule spans the run's total steps: another total would make it jump)"
+
+
+def run_identity(recipe: str, specs: RunSpecs) -> dict[str, Any]:
+    """The identity of a training run of ``recipe`` with ``specs``: JSON-able, compared key by key on resume.
+    The demo settings are left out: the demo set they write is a source like any other."""
+    data = specs.data
+    settings = {"recipe": recipe, "attention": specs.attention,
+                "train": asdict(specs.train), "model": _model(specs), "packing": _plain(data.packing),
+                "data": {k: v for k, v in asdict(data).items() if k not in ("sources", "eval_sources", "packing")}}
+    identity = {key: value for key, value in _flat(settings).items() if key not in ELASTIC}
+    identity["data.sources"] = _sources(data.source_entries(), data)
+    identity["data.eval_sources"] = _sources(data.eval_source_entries(), data)
+    return identity
+
+
+def check_identity(saved: dict | None, current: dict, checkpoint: Path) -> str | None:
+    """Nothing when ``checkpoint`` was saved by this run; one ``ConfigError`` line naming every change otherwise.
+    A checkpoint from before identities were recorded (``saved`` None): the warning to print."""
+    if saved is None:
+        return (f"warning: train.resume_from: {checkpoint} was saved before checkpoints recorded their run: its data "
+                "and settings cannot be checked against this run's (its next checkpoint records them)")
+    changed = [key for key in dict.fromkeys([*saved, *current]) if saved.get(key, _UNSET) != current.get(key, _UNSET)]
+    # a group set on one side only (packing off -> on, an empty model.config): one change, not one per key in it
+    groups = {key for key in changed if any(other.startswith(f"{key}.") for other in changed)}
+    changes = [f"{key} {_shown(saved, key)} -> {_shown(current, key)}" if key in groups else
+               _change(key, saved.get(key, _UNSET), current.get(key, _UNSET))
+               for key in changed if not any(key.startswith(f"{group}.") for group in groups)]
+    if changes:
+        raise ConfigError(f"train.resume_from: {checkpoint} was saved by another run: {'; '.join(changes)}: "
+                          "restore the settings and data it was saved with, or start a fresh run in another "
+                          "train.output_dir")
+    return None
+
+
+_UNSET = object()
+
+
+def _flat(node: dict, prefix: str = "") -> dict[str, Any]:
+    """``{"train": {"epochs": 2}}`` -> ``{"train.epochs": 2}``; an empty mapping stays one value."""
+    flat: dict[str, Any] = {}
+    for key, value in node.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(_flat(value, f"{name}."))
+        else:
+            flat[name] = _plain(value)
+    return flat
+
+
+def _plain(value: Any) -> Any:
+    """JSON's view of a setting: dataclasses as mappings, classes by dotted path (``packing.assembler_cls``)."""
+    if isinstance(value, type):
+        return f"{value.__module__}.{value.__qualname__}"
+    if hasattr(value, "__dataclass_fields__"):
+        return _plain(asdict(value))
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value if value is None or isinstance(value, (bool, int, float, str)) else str(value)
+
+
+def _model(specs: RunSpecs) -> dict:
+    """``model.*``, its folders (``pretrained``, ``tokenizer_dir``) by path and content."""
+    model = asdict(specs.model)
+    extra = model.pop("extra")
+    for key in ("pretrained", "tokenizer_dir"):
+        if model[key]:
+            path = os.path.abspath(model[key]) if os.path.exists(model[key]) else model[key]
+            model[key] = {"path": path, "content": _content(model[key])}
+    return {**extra, **model}
+
+
+def _sources(entries, data: MLLMDataSpec) -> list[dict]:
+    """Each source in order (the plan numbers records source after source): name, path, image root, repeat and a
+    fingerprint of its content."""
+    return [{"name": entry.name, "path": os.path.abspath(entry.path), "repeat": entry.repeat,
+             "image_root": entry.image_root or data.image_root, "content": _content(entry.path)}
+            for entry in entries]
+
+
+def _content(path: str) -> str | None:
+    """The length cache's identity of a file (``store.file_identity``); of every file under a folder (a saved
+    data set, a model folder); None for a name that is no path (a hub name: the name is all there is)."""
+    if os.path.isfile(path):
+        return digest(file_identity(path))
+    if not os.path.isdir(path):
+        return None
+    files = sorted(Path(root) / name for root, _, names in os.walk(path) for name in names)
+    return digest([file_identity(p) for p in files])
+
+
+def _show(value: Any) -> str:
+    if value is _UNSET:
+        return "unset"
+    return value["path"] if isinstance(value, dict) and "path" in value else json.dumps(value)
+
+
+def _shown(identity: dict, group: str) -> str:
+    return json.dumps(identity[group]) if group in identity else "set"
+
+
+def _change(key: str, old: Any, new: Any) -> str:
+    if key in ("data.sources", "data.eval_sources"):
+        return _source_changes("data source" if key == "data.sources" else "eval source", old, new)
+    if isinstance(old, dict) and isinstance(new, dict) and old.get("path", 0) == new.get("path", 1):
+        return f"{key} {old['path']} changed (its files were rewritten)"
+    line = f"{key} {_show(old)} -> {_show(new)}"
+    return f"{line} {SCHEDULE_NOTE}" if key == "train.epochs" else line
+
+
+def _source_changes(kind: str, old: Any, new: Any) -> str:
+    old = {} if old is _UNSET else {source["name"]: source for source in old}
+    new = {} if new is _UNSET else {source["name"]: source for source in new}
+    changes = [f"{kind} {name!r} removed" for name in old if name not in new]
+    changes += [f"{kind} {name!r} added" for name in new if name not in old]
+    for name in (n for n in new if n in old and new[n] != old[n]):
+        before, after = old[name], new[name]
+        if before["path"] != after["path"]:
+            changes.append(f"{kind} {name!r} is another file: {before['path']} -> {after['path']}")
+            continue
+        changes += [f"{kind} {name!r} {field} {_show(before[field])} -> {_show(after[field])}"
+                    for field in ("repeat", "image_root") if before[field] != after[field]]
+        if before["content"] != after["content"]:
+            changes.append(f"{kind} {name!r} changed (records appended or rewritten)")
+    order = [[n for n in names if n in old and n in new] for names in (old, new)]
+    if not changes and order[0] != order[1]:
+        changes.append(f"{kind}s reordered: {', '.join(order[0])} -> {', '.join(order[1])}")
+    return "; ".join(changes)
