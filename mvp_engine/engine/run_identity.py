@@ -33,7 +33,7 @@ ELASTIC = {
     "train.output_dir", "train.resume_from", "train.save_every_steps", "train.keep_last", "train.log_every",
     "train.report_to", "train.eval_every_steps", "train.peak_tflops", "train.time_barrier",
     # how the same math is laid out: loader processes, sharding (DCP reshards), recomputation
-    "train.num_workers", "train.sharding", "train.activation_checkpointing", "attention",
+    "train.num_workers", "train.num_threads", "train.sharding", "train.activation_checkpointing", "attention",
     # where and how lengths are measured (the cache keys on content), and whether bad records stop the run
     "data.cache_dir", "data.measure_cache", "data.measure_workers", "data.on_bad_record", "data.max_bad_fraction",
     # the format of the final save, not what is trained
