@@ -63,9 +63,9 @@ def test_the_draw_is_fixed_by_seed_and_epoch_and_differs_across_epochs():
     ([{"path": "a.jsonl", "weight": 2}], "data.sources[0]: unknown key 'weight' (allowed: path, repeat, name, "
                                          "image_root)"),
     (["b.jsonl", {"path": "a.jsonl", "repeat": -1}], "data.sources[1]: repeat=-1 is invalid: allowed a number >= 0"),
-    (["x/a.jsonl", {"path": "y/a.jsonl"}], "data.sources[1]: name 'a' is already used by data.sources[0]"),
     ([{"path": "a.jsonl", "name": "m"}, {"path": "b.jsonl", "name": "m"}],
      "data.sources[1]: name 'm' is already used by data.sources[0]"),
+    (["/d/a.jsonl", "/e/b.jsonl", "/d/./a.jsonl"], "data.sources[2]: /d/./a.jsonl is already data.sources[0]"),
     ([{"repeat": 2}], "data.sources[0]: 'path' is missing or empty"),
     ([{"path": "a.jsonl", "repeat": "lots"}], "data.sources[0]: repeat='lots' is invalid"),
 ])
@@ -75,6 +75,16 @@ def test_a_bad_entry_is_one_line_naming_it(entries, message):
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize(("paths", "names"), [
+    (["/data/llava/train.jsonl", "/data/sharegpt4v/train.jsonl"], ["llava/train", "sharegpt4v/train"]),
+    (["/d/mixed/instruct.json", "/d/mixed/instruct.jsonl"], ["instruct.json", "instruct.jsonl"]),
+    (["/a/x/train.jsonl", "/b/x/train.jsonl", "/c/val.jsonl"], ["a/x/train", "b/x/train", "val"]),
+    ([{"path": "/p/b.jsonl", "name": "a"}, "/q/a.jsonl"], ["a", "q/a"]),  # a name the user gave is never taken
+], ids=["folders", "suffixes", "deeper", "given"])
+def test_default_names_are_the_shortest_paths_that_tell_sources_apart(paths, names):
+    assert [source.name for source in source_entries(paths)] == names
+
+
 def test_hydra_entries_and_their_errors_through_the_run_config(tmp_path):
     data = kit.write_mixed_jsonl(tmp_path, num_records=3)
     cfg = kit.compose_config("llava", [f"data.sources=[{{path:{data},repeat:2,name:a}},{data}]"])
@@ -82,7 +92,7 @@ def test_hydra_entries_and_their_errors_through_the_run_config(tmp_path):
     assert entries == [MLLMSource(str(data), 2.0, "a"), MLLMSource(str(data), 1.0, "mixed")]
     for override, line in [(f"data.sources=[{{path:{data},repeat:-0.5}}]", "data.sources[0]: repeat=-0.5 is invalid"),
                            (f"data.sources=[{{path:{data},ratio:2}}]", "data.sources[0]: unknown key 'ratio'"),
-                           (f"data.sources=[{data},{data}]", "data.sources[1]: name 'mixed' is already used"),
+                           (f"data.sources=[{data},{data}]", f"data.sources[1]: {data} is already data.sources[0]"),
                            ("data.sources=[{path:/nonexistent.jsonl,repeat:2}]",
                             "data.sources: /nonexistent.jsonl: data source not found")]:
         with pytest.raises(ConfigError) as err:

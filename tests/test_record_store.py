@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import time
 from pathlib import Path
 
 import datasets
@@ -18,9 +19,10 @@ from torch.utils.data import DataLoader
 from mvp_engine.kit.mllm.data import MLLMDataKit, MLLMDataSpec, MLLMPackingSpec
 from mvp_engine.kit.mllm.data.collator import MLLMCollator
 from mvp_engine.kit.mllm.data.dataset import PackArrays, ReplayedPacks
-from mvp_engine.kit.mllm.data.store import RecordStore
+from mvp_engine.kit.mllm.data.store import EDGE_BYTES, RecordStore, source_identity
 from recipes.qwen2_vl.encoder import Qwen2VLSampleEncoder
 from recipes.qwen2_vl.model import build_processor
+from tests.fakes import FakeEncoder
 
 TINY = yaml.safe_load((Path(__file__).resolve().parents[1] / "conf" / "model" / "qwen2_vl_tiny.yaml").read_text())
 
@@ -244,3 +246,91 @@ def test_bad_records_after_a_first_batch_of_good_ones_and_an_empty_source(tmp_pa
     assert count == 300 and len(dataset.records) == 301
     assert [(b.origin, b.reason) for b in dataset.bad_records.records.values()] == [(f"{path}:301", "invalid_json")]
     assert len(dataset.plan(0).packs) > 0
+
+
+class CachedFake(FakeEncoder):
+    """The synthetic encoder with a fingerprint (so its lengths are cached), counting its measures."""
+
+    calls = 0
+
+    def fingerprint(self) -> str:
+        return "fake"
+
+    def measure(self, record):
+        CachedFake.calls += 1
+        return super().measure(record)
+
+
+def fake_lines(path: Path, lengths: list[int]) -> Path:
+    """FakeEncoder records (each states its length) as JSONL."""
+    return write_jsonl(path, [{"id": f"r{i}", "messages": [{"role": "user", "content": f"{n} 0"},
+                                                           {"role": "assistant", "content": "ok"}]}
+                              for i, n in enumerate(lengths)])
+
+
+def fake_lengths(data: MLLMDataSpec) -> tuple[list[int], int]:
+    before = CachedFake.calls
+    dataset = MLLMDataKit.build_dataset(data, CachedFake())
+    return dataset.metas.length.tolist(), CachedFake.calls - before
+
+
+def test_a_source_rewritten_at_its_size_with_its_mtime_kept_is_measured_again(tmp_path):
+    """``cp -p``, ``rsync -a`` and tar keep a rewritten file's mtime: the same size and mtime must not keep the old
+    lengths (nor the old converted rows)."""
+    path = fake_lines(tmp_path / "data.jsonl", [10, 20, 30])
+    data = MLLMDataSpec(sources=[str(path)], cache_dir=str(tmp_path / "cache"), measure_workers=1)
+    assert fake_lengths(data) == ([10, 20, 30], 3)
+    assert fake_lengths(data) == ([10, 20, 30], 0)  # unchanged: read from the cache
+    before = os.stat(path)
+    fake_lines(path, [40, 50, 60])
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert (os.stat(path).st_size, os.stat(path).st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    assert fake_lengths(data) == ([40, 50, 60], 3)
+
+
+def test_a_change_past_the_hashed_ends_with_size_and_mtime_kept_changes_the_identity(tmp_path):
+    """The middle of a large file is not hashed; its rewrite still moves the ctime, which nothing can set back."""
+    path = tmp_path / "big.jsonl"
+    path.write_bytes(b"a" * 3 * EDGE_BYTES)
+    before, identity = os.stat(path), source_identity(path)
+    time.sleep(0.05)  # past the file system's timestamp tick
+    with path.open("r+b") as handle:
+        handle.seek(EDGE_BYTES + 7)
+        handle.write(b"b")
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert source_identity(path) != identity
+
+
+def test_a_record_over_max_record_bytes_is_a_counted_bad_record_and_the_others_train(tmp_path):
+    path = fake_lines(tmp_path / "data.jsonl", [10, 20])
+    long = {"id": "long", "messages": [{"role": "user", "content": "30 0 " + "x" * 500},
+                                       {"role": "assistant", "content": "ok"}]}
+    with path.open("a") as handle:
+        handle.write(json.dumps(long) + "\n")
+    data = MLLMDataSpec(sources=[str(path)], cache_dir=str(tmp_path / "cache"), measure_workers=1,
+                        max_record_bytes=200)
+    dataset = MLLMDataKit.build_dataset(data, CachedFake())
+    assert dataset.metas.usable.tolist() == [True, True, False]
+    (bad,) = dataset.bad_records.records.values()
+    assert (bad.origin, bad.reason, bad.stage) == (f"{path}:3", "record_too_large", "read")
+    assert "over data.max_record_bytes=200" in bad.message
+    roomy = MLLMDataSpec(sources=[str(path)], cache_dir=str(tmp_path / "cache"), measure_workers=1)
+    assert fake_lengths(roomy)[0] == [10, 20, 30]  # another limit: converted and measured afresh
+    with pytest.raises(ValueError, match=r"^data.max_record_bytes=0 is invalid: allowed an int >= 1"):
+        MLLMDataSpec(max_record_bytes=0)
+
+
+def test_an_image_outside_the_image_root_is_a_counted_bad_record_of_the_run(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    Image.new("RGB", (8, 8)).save(tmp_path / "secret.png")
+    path = fake_lines(data / "data.jsonl", [10])
+    escape = {"id": "up", "image": "../secret.png", "messages": [{"role": "user", "content": "20 1"},
+                                                                  {"role": "assistant", "content": "ok"}]}
+    with path.open("a") as handle:
+        handle.write(json.dumps(escape) + "\n")
+    spec = MLLMDataSpec(sources=[str(path)], cache_dir=str(tmp_path / "cache"), measure_workers=1)
+    dataset = MLLMDataKit.build_dataset(spec, CachedFake())
+    assert dataset.metas.usable.tolist() == [True, False]
+    assert [(b.origin, b.record_id, b.reason) for b in dataset.bad_records.records.values()] == [
+        (f"{path}:2", "up", "image_outside_root")]

@@ -30,9 +30,15 @@ CHECK_TOOL = kit.CONF_DIR.parent / "tools" / "check_data.py"
 
 
 @pytest.fixture(scope="module")
-def rows(tmp_path_factory) -> list[dict]:
+def images(tmp_path_factory) -> Path:
+    """The folder of the rows' images: each source below lies elsewhere, so runs name it as ``data.image_root``."""
+    return tmp_path_factory.mktemp("rows")
+
+
+@pytest.fixture(scope="module")
+def rows(images) -> list[dict]:
     """LLaVA records alternating image and text only, one schema for all (as a parquet or Arrow table has)."""
-    jsonl = kit.write_mixed_jsonl(tmp_path_factory.mktemp("rows"), num_records=NUM_RECORDS)
+    jsonl = kit.write_mixed_jsonl(images, num_records=NUM_RECORDS)
     return [{"image": None, **json.loads(line)} for line in jsonl.read_text().splitlines()]
 
 
@@ -52,10 +58,10 @@ def write_source(kind: str, path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def train(sources: list[Path], out: Path) -> dict:
+def train(sources: list[Path], out: Path, images: Path) -> dict:
     cfg = kit.compose_config(RECIPE, ["+packing=greedy", f"data.sources=[{','.join(map(str, sources))}]",
-                                      "data.max_seq_len=256", "train.epochs=1", "train.micro_batch_size=3",
-                                      f"train.output_dir={out}"])
+                                      f"data.image_root={images}", "data.max_seq_len=256", "train.epochs=1",
+                                      "train.micro_batch_size=3", f"train.output_dir={out}"])
     trainer = Trainer(cfg, kit.load_recipe(RECIPE))
     summary = trainer.run()
     summary["record_ids"] = [trainer.dataset.records[i].record_id for i in range(len(trainer.dataset.records))]
@@ -63,17 +69,17 @@ def train(sources: list[Path], out: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(rows, tmp_path_factory) -> dict:
+def reference(rows, images, tmp_path_factory) -> dict:
     directory = tmp_path_factory.mktemp("reference")
-    return train([write_source("jsonl", directory / "data", rows)], directory / "run")
+    return train([write_source("jsonl", directory / "data", rows)], directory / "run", images)
 
 
 @pytest.mark.parametrize("kinds", [("parquet",), ("saved",), ("json", "parquet", "saved")],
                          ids=["parquet", "save_to_disk", "mixed"])
-def test_every_source_kind_trains_the_records_it_holds(rows, reference, tmp_path, kinds):
+def test_every_source_kind_trains_the_records_it_holds(rows, images, reference, tmp_path, kinds):
     parts = [rows[k * NUM_RECORDS // len(kinds):(k + 1) * NUM_RECORDS // len(kinds)] for k in range(len(kinds))]
     sources = [write_source(kind, tmp_path / f"part{k}", part) for k, (kind, part) in enumerate(zip(kinds, parts))]
-    summary = train(sources, tmp_path / "run")
+    summary = train(sources, tmp_path / "run", images)
     assert summary["record_ids"] == [row["id"] for row in rows] == reference["record_ids"]
     [ledger] = summary["epochs"]
     assert ledger["samples_trained"] == NUM_RECORDS and ledger["reconciles"] and not ledger["bad"]
@@ -116,7 +122,7 @@ def test_a_dataset_dict_folder_is_read_by_its_train_split(tmp_path):
 def with_bad_rows(rows: list[dict]) -> list[dict]:
     """``rows`` with row 2 missing its image and row 5 opening with an assistant turn."""
     bad = [dict(row) for row in rows]
-    bad[1] = {**bad[1], "image": "/no/such/image.png", "conversations": [
+    bad[1] = {**bad[1], "image": "images/absent.png", "conversations": [
         {"from": "human", "value": "<image>\nWhat?"}, {"from": "gpt", "value": "No idea."}]}
     answer = bad[4]["conversations"][-1]
     bad[4] = {**bad[4], "conversations": [answer, *bad[4]["conversations"]]}
@@ -124,9 +130,9 @@ def with_bad_rows(rows: list[dict]) -> list[dict]:
 
 
 @pytest.mark.parametrize("kind", ["parquet", "saved"], ids=["parquet", "save_to_disk"])
-def test_check_data_names_a_bad_row_by_its_source_and_row(rows, tmp_path, kind):
+def test_check_data_names_a_bad_row_by_its_source_and_row(rows, images, tmp_path, kind):
     source = write_source(kind, tmp_path / "data", with_bad_rows(rows))
-    cfg = kit.compose_config(RECIPE, [f"data.sources=[{source}]"])
+    cfg = kit.compose_config(RECIPE, [f"data.sources=[{source}]", f"data.image_root={images}"])
     report = check_records(cfg, RECIPE, decode=True, workers=2)
     assert {bad.origin: (bad.reason, bad.stage) for bad in report.records.values()} == {
         f"{source}#2": ("missing_image", "read"), f"{source}#5": ("leading_assistant", "read")}
@@ -134,7 +140,7 @@ def test_check_data_names_a_bad_row_by_its_source_and_row(rows, tmp_path, kind):
 
 
 @pytest.mark.launch
-def test_check_data_cli_on_a_mix_with_decode_names_every_bad_record_and_exits_1(rows, tmp_path):
+def test_check_data_cli_on_a_mix_with_decode_names_every_bad_record_and_exits_1(rows, images, tmp_path):
     bad_rows = with_bad_rows(rows)
     jsonl = write_source("jsonl", tmp_path / "lines", bad_rows[:3])
     saved = write_source("saved", tmp_path / "saved", bad_rows[3:])
@@ -143,7 +149,8 @@ def test_check_data_cli_on_a_mix_with_decode_names_every_bad_record_and_exits_1(
     cut.write_bytes(cut.read_bytes()[:300])  # a header that reads, a body that does not decode
     parquet = write_source("parquet", tmp_path / "table", [{**rows[0], "id": "cut", "image": str(cut)}])
     result = subprocess.run([sys.executable, str(CHECK_TOOL), "--config-name", RECIPE, "--decode",
-                             f"data.sources=[{jsonl},{saved},{parquet}]", f"hydra.run.dir={tmp_path / 'check'}"],
+                             f"data.sources=[{jsonl},{saved},{parquet}]", f"data.image_root={images}",
+                             f"hydra.run.dir={tmp_path / 'check'}"],
                             capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert result.returncode == 1, result.stderr[-2000:]
     report = {bad["origin"]: (bad["reason"], bad["stage"])

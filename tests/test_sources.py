@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -492,10 +493,8 @@ def test_record_id_defaults_to_origin_and_accepts_integers(data_dir: Path) -> No
 
 
 def test_relative_image_paths_resolve_against_data_dir_or_image_root(data_dir: Path, tmp_path_factory) -> None:
-    nested = data_dir / "nested"
-    nested.mkdir()
-    raw = llava(("human", "<image>"), ("gpt", "x"), image="../sub/./c.png")
-    (record,) = read_records(write_jsonl(nested, [raw]))
+    raw = llava(("human", "<image>"), ("gpt", "x"), image="sub/../sub/./c.png")
+    (record,) = read_records(write_jsonl(data_dir, [raw]))
     assert record.image_paths == [str(data_dir / "sub" / "c.png")]
     assert os.path.isabs(record.image_paths[0])
 
@@ -504,9 +503,64 @@ def test_relative_image_paths_resolve_against_data_dir_or_image_root(data_dir: P
     (record,) = read_records(write_jsonl(elsewhere, [raw]), image_root=data_dir)
     assert record.image_paths == [str(data_dir / "sub" / "c.png")]
 
-    raw = llava(("human", "<image>"), ("gpt", "x"), image=str(data_dir / "a.png"))  # absolute: taken as is
-    (record,) = read_records(write_jsonl(elsewhere, [raw], "abs.jsonl"), image_root="/nonexistent")
+    raw = llava(("human", "<image>"), ("gpt", "x"), image=str(data_dir / "a.png"))  # absolute, inside the root
+    (record,) = read_records(write_jsonl(elsewhere, [raw], "abs.jsonl"), image_root=data_dir)
     assert record.image_paths == [str(data_dir / "a.png")]
+
+
+@pytest.fixture
+def outside(tmp_path_factory) -> Path:
+    """A folder beside the data with an image and a clip that no record of the data may reach."""
+    folder = tmp_path_factory.mktemp("outside")
+    Image.new("RGB", (8, 8)).save(folder / "secret.png")
+    (folder / "clip.mp4").write_bytes(b"x")
+    return folder
+
+
+def escapes(data_dir: Path, outside: Path) -> dict[str, dict]:
+    """Every way a record can name a file outside its image root and source folder, by the reason it must get."""
+    (data_dir / "link.png").symlink_to(outside / "secret.png")
+    (data_dir / "linked").symlink_to(outside, target_is_directory=True)
+    up = os.path.relpath(outside / "secret.png", data_dir)
+    image_part = {"type": "image", "path": up}
+    video_part = {"type": "video_url", "video_url": {"url": f"file://{outside / 'clip.mp4'}"}}
+    return {
+        "relative ..": llava(("human", "<image>"), ("gpt", "x"), image=up),
+        "absolute": llava(("human", "<image>"), ("gpt", "x"), image=str(outside / "secret.png")),
+        "file url": llava(("human", "<image>"), ("gpt", "x"), image=f"file://{outside / 'secret.png'}"),
+        "symlinked file": llava(("human", "<image>"), ("gpt", "x"), image="link.png"),
+        "symlinked folder": llava(("human", "<image>"), ("gpt", "x"), images=["a.png", "linked/secret.png"]),
+        "openai part": {"messages": [{"role": "user", "content": [image_part]}, {"role": "assistant", "content": "x"}]},
+        "missing, outside": llava(("human", "<image>"), ("gpt", "x"), image="../../nope.png"),
+        "video": {"messages": [{"role": "user", "content": [video_part]}, {"role": "assistant", "content": "x"}]},
+    }
+
+
+def test_media_paths_that_leave_the_image_root_and_the_source_folder_are_bad_records(data_dir, outside) -> None:
+    cases = escapes(data_dir, outside)
+    path = write_jsonl(data_dir, [GOOD, *cases.values()])
+    seen: list[MLLMRecordError] = []
+    records = list(read_records(path, on_bad=seen.append))
+    assert [r.origin for r in records] == [f"{path}:1"]
+    reasons = {case: (str(e).split(": ", 1)[0], e.reason) for case, e in zip(cases, seen, strict=True)}
+    assert reasons == {case: (f"{path}:{line}", "video_outside_root" if case == "video" else "image_outside_root")
+                       for line, case in enumerate(cases, start=2)}
+    assert all("outside the image root and the source's folder" in str(e) for e in seen)
+
+
+def test_media_may_lie_under_the_image_root_or_the_source_folder_through_symlinks_that_stay_inside(
+        data_dir, outside, tmp_path_factory) -> None:
+    (data_dir / "alias.png").symlink_to(data_dir / "sub" / "c.png")
+    images = tmp_path_factory.mktemp("images")
+    Image.new("RGB", (8, 8)).save(images / "own.png")
+    raw = llava(("human", "<image><image><image>"), ("gpt", "x"),
+                images=["own.png", str(data_dir / "a.png"), str(data_dir / "alias.png")])
+    (record,) = read_records(write_jsonl(data_dir, [raw]), image_root=images)
+    assert record.image_paths == [str(images / "own.png"), str(data_dir / "a.png"), str(data_dir / "alias.png")]
+    with pytest.raises(MLLMRecordError) as info:  # the source's folder is no licence for the image root's parent
+        parse_record(llava(("human", "<image>"), ("gpt", "x"), image="../outside/secret.png"), "r:1", images,
+                     source_dir=data_dir)
+    assert info.value.reason == "image_outside_root"
 
 
 # --- files -------------------------------------------------------------------------------------------------------
@@ -597,6 +651,35 @@ def test_jsonl_bad_lines_go_to_on_bad_and_the_good_ones_are_read(data_dir: Path)
     ]
     with pytest.raises(MLLMRecordError, match=f"^{re.escape(str(path))}:2: invalid JSON"):
         list(read_records(path))  # without on_bad the first bad record stops the reading
+
+
+def test_a_jsonl_line_over_max_record_bytes_is_a_bad_record_skipped_without_holding_it(data_dir: Path) -> None:
+    path = data_dir / "big.jsonl"
+    huge = json.dumps(llava(("human", "x" * 8 * 2**20), ("gpt", "y"))).encode()
+    limit = len(json.dumps(GOOD)) + 1
+    path.write_bytes(b"\n".join([json.dumps(GOOD).encode(), huge, b"", json.dumps(GOOD).encode()]) + b"\n")
+    seen: list[MLLMRecordError] = []
+    tracemalloc.start()
+    try:
+        records = list(read_records(path, on_bad=seen.append, max_record_bytes=limit))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * 2**20  # the 8 MiB line was never held whole
+    assert [r.origin for r in records] == [f"{path}:1", f"{path}:4"]
+    (error,) = seen
+    assert (error.reason, str(error)) == ("record_too_large", f"{path}:2: record is {len(huge)} bytes, over "
+                                          f"data.max_record_bytes={limit}; not read (raise the limit to train it)")
+
+
+def test_a_json_record_over_max_record_bytes_is_a_bad_record(data_dir: Path) -> None:
+    path = data_dir / "data.json"
+    big = llava(("human", "x" * 300), ("gpt", "y"), id="big")
+    path.write_text(json.dumps([GOOD, big, GOOD], indent=1), encoding="utf-8")
+    seen: list[MLLMRecordError] = []
+    assert len(list(read_records(path, on_bad=seen.append, max_record_bytes=200))) == 2
+    assert [(str(e).split(": ", 1)[0].rsplit(":", 1)[0], e.reason) for e in seen] == [(str(path), "record_too_large")]
+    assert len(list(read_records(path))) == 3  # the default limit (16 MiB) takes it
 
 
 def test_record_error_carries_the_record_id_when_there_is_one(data_dir: Path) -> None:

@@ -23,7 +23,7 @@ from .sample import IGNORE_INDEX, MLLMRecord, MLLMSample, MLLMSampleEncoder, Sam
 from .sources import MLLMRecordError, read_records
 from .spec import MLLMDataSpec, MLLMPackingSpec
 from .steps import estimate_total_steps, micro_batches_per_rank, optimizer_steps, packs_per_rank
-from .store import RecordStore, source_kind
+from .store import RecordStore, source_identity, source_kind
 from .video import VideoInfo, load_video_frames, read_video_info
 from .video_patches import normalize_frames, patchify
 
@@ -84,6 +84,7 @@ __all__ = [
     "read_records",
     "read_video_info",
     "source_entries",
+    "source_identity",
     "source_kind",
     "token_shares",
 ]

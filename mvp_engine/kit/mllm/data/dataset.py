@@ -488,7 +488,8 @@ class MLLMDataKit:
                 bad_records.add_error(err, "read")
         records = [record for source in data_spec.source_entries()
                    for record in read_records(source.path, source.image_root or data_spec.image_root, on_bad=on_bad,
-                                              allow_leading_assistant=data_spec.allow_leading_assistant)]
+                                              allow_leading_assistant=data_spec.allow_leading_assistant,
+                                              max_record_bytes=data_spec.max_record_bytes)]
         if bad_records is not None:
             bad_records.records_read = len(records) + bad_records.count
         return records
@@ -501,7 +502,8 @@ class MLLMDataKit:
         entries = data_spec.source_entries()
         return RecordStore.open([e.path for e in entries], data_spec.cache_dir or default_cache_dir(),
                                 data_spec.image_root, data_spec.allow_leading_assistant,
-                                image_roots=[e.image_root for e in entries])
+                                image_roots=[e.image_root for e in entries],
+                                max_record_bytes=data_spec.max_record_bytes)
 
     @staticmethod
     def build_dataset(data_spec: MLLMDataSpec, encoder: MLLMSampleEncoder, rank: int = 0, world_size: int = 1,

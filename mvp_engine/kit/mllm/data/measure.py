@@ -5,10 +5,12 @@ about a millisecond per record (chat template rendering, tokenizing), hours at t
 parallel processes (``datasets.Dataset.map(num_proc=...)``) and its result is cached per source under
 ``<cache>/measure/<key>``, keyed by:
 
-* the source's identity (path, size, modification time; a saved data set's own fingerprint),
+* the source's identity (``store.source_identity``: path, size, modification and status-change times, a hash of
+  the file's ends; every file of a saved data set),
 * the encoder's fingerprint (:meth:`fingerprint` of the encoder: tokenizer, chat template, image-processor
   settings, and a ``measure_version`` the encoder bumps when its counting changes),
-* the read settings (``image_root``, ``allow_leading_assistant``) and this module's ``MEASURE_FORMAT``;
+* the read settings (``image_root``, ``allow_leading_assistant``, ``max_record_bytes``) and this module's
+  ``MEASURE_FORMAT``;
 
 and checked against the media files' identity (size and modification time of every image, video or frame folder
 a record names, missing ones included): a second start reads the cache, any change measures the source again. An
@@ -40,7 +42,7 @@ from .sample import MLLMRecord, MLLMSample, MLLMSampleEncoder, SampleMeta
 from .sources import MLLMRecordError, parse_record
 from .store import RecordStore, SourceRows, digest
 
-MEASURE_FORMAT = 2  # bump when the cached columns change meaning (2: media_tokens, media_sq)
+MEASURE_FORMAT = 3  # bump when the cached columns change meaning (2: media_tokens, media_sq; 3: media confined)
 ROWS_PER_WORKER = 2_000  # fewer rows than this per process: starting the process costs more than it saves
 META_COLUMNS = ("length", "num_media", "media_end", "first_supervised", "media_tokens", "media_sq")
 WIDE_COLUMNS = ("media_sq",)  # int64: a square of tens of thousands of tokens overflows int32
@@ -138,7 +140,7 @@ def measure_store(store: RecordStore, encoder: MLLMSampleEncoder, report: BadRec
                 columns = _columns(_run_map(table, measure, Path(scratch), workers))
         else:
             key = digest([MEASURE_FORMAT, source_fingerprint, fingerprint, rows.image_root,
-                          store.allow_leading_assistant])
+                          store.allow_leading_assistant, store.max_record_bytes])
             columns = _columns(_cached_map(table, measure, Path(cache_dir or default_cache_dir()) / "measure" / key,
                                            workers))
         parts.append(columns)
@@ -166,7 +168,8 @@ class _Measure:
             try:
                 if isinstance(raw, MLLMRecordError):
                     raise raw
-                record = parse_record(raw, origin, self.rows.image_root, self.allow_leading_assistant)
+                record = parse_record(raw, origin, self.rows.image_root, self.allow_leading_assistant,
+                                      source_dir=self.rows.source_dir)
                 media, stage = record.media_paths, "measure"
                 meta = self.encoder.measure(record)
                 values, verdict = tuple(getattr(meta, name) for name in META_COLUMNS), (None,) * 4

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import math
 import os
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,8 @@ SOURCE_KEYS = ("path", "repeat", "name", "image_root")
 
 @dataclass(frozen=True)
 class MLLMSource:
-    """One entry of ``data.sources``, validated: ``name`` defaults to the file's stem (a folder's name)."""
+    """One entry of ``data.sources``, validated; ``name`` defaults to the shortest path that tells it from the
+    other entries (:func:`source_entries`)."""
 
     path: str
     repeat: float = 1.0
@@ -43,18 +45,50 @@ class MLLMSource:
 def source_entries(entries: Sequence[Any], key: str = "data.sources") -> list[MLLMSource]:
     """The entries of ``key`` as :class:`MLLMSource`; a bad one raises one ``ValueError`` line naming it
     (``data.sources[1]: ...``): an unknown key, a missing or empty path, a repeat that is not a number >= 0, a name
-    used twice."""
-    sources: list[MLLMSource] = []
-    seen: dict[str, int] = {}
-    for index, entry in enumerate(entries):
-        where = f"{key}[{index}]"
-        source = _entry(entry, where)
-        if source.name in seen:
-            raise ValueError(f"{where}: name {source.name!r} is already used by {key}[{seen[source.name]}] (names "
-                             "default to the file's stem: give each source its own with {path: ..., name: ...})")
-        seen[source.name] = index
-        sources.append(source)
+    given twice, one file listed twice without names.
+
+    An entry without a ``name`` is named by the shortest tail of its path that no other entry shares: the file's
+    stem alone when it is unique (``train``), else with as many parent folders as it takes (``llava/train`` and
+    ``sharegpt4v/train``), else the file name with its suffix (``mix.json`` and ``mix.jsonl``). Such a name never
+    takes one a user gave, so only names given twice are refused."""
+    sources = [_entry(entry, f"{key}[{index}]") for index, entry in enumerate(entries)]
+    given: dict[str, int] = {}
+    for index, source in enumerate(sources):
+        if source.name and source.name in given:
+            raise ValueError(f"{key}[{index}]: name {source.name!r} is already used by {key}[{given[source.name]}] "
+                             "(give each source its own name)")
+        if source.name:
+            given[source.name] = index
+    unnamed = [index for index, source in enumerate(sources) if not source.name]
+    names = _default_names([sources[i].path for i in unnamed], set(given))
+    for index, name in zip(unnamed, names):
+        if name is None:
+            tails = _tails(sources[index].path)
+            twin = next((i for i in unnamed if i != index and _tails(sources[i].path) == tails), None)
+            if twin is None:
+                raise ValueError(f"{key}[{index}]: every name its path gives ({', '.join(tails)}) is taken by "
+                                 "another entry: give it its own name")
+            first, later = sorted((index, twin))
+            raise ValueError(f"{key}[{later}]: {sources[later].path} is already {key}[{first}] (a repeat draws a "
+                             "source more often; to list it twice, give each entry its own name)")
+        sources[index] = replace(sources[index], name=name)
     return sources
+
+
+def _default_names(paths: list[str], taken: set[str]) -> list[str | None]:
+    """For each path, its first tail (:func:`_tails`) that is not in ``taken`` and that no other path has among its
+    own tails: names unique by construction. None for a path whose tails are all shared (the same file twice)."""
+    tails = [_tails(path) for path in paths]
+    shared = Counter(tail for own in tails for tail in set(own))
+    return [next((tail for tail in own if shared[tail] == 1 and tail not in taken), None) for own in tails]
+
+
+def _tails(path: str) -> list[str]:
+    """Candidate names of a source, shortest first: its stem, then the stem under 1, 2, ... parent folders, then
+    the file name with its suffix under 0, 1, ... folders (the absolute path: two spellings of one file agree)."""
+    *folders, file = Path(os.path.abspath(path)).parts[1:]
+    return ["/".join([*folders[len(folders) - depth:], last])
+            for last in (Path(file).stem, file) for depth in range(len(folders) + 1)]
 
 
 def _entry(entry: Any, where: str) -> MLLMSource:
@@ -72,7 +106,7 @@ def _entry(entry: Any, where: str) -> MLLMSource:
     if isinstance(repeat, bool) or not isinstance(repeat, (int, float)) or not 0 <= repeat < math.inf:
         raise ValueError(f"{where}: repeat={repeat!r} is invalid: allowed a number >= 0 (2: every record twice; "
                          "0.5: a seeded half of them)")
-    name = entry.get("name") or Path(str(path)).stem
+    name = entry.get("name") or ""
     if not isinstance(name, str):
         raise ValueError(f"{where}: name={name!r} is invalid: allowed a string")
     root = entry.get("image_root")

@@ -41,6 +41,12 @@ Normalisation (what every encoder can rely on):
 * Relative image and video paths are resolved against ``image_root`` (default: the data file's directory) and
   made absolute; every image file, video file or frame folder must exist. A video part keeps its ``"fps"`` (a
   positive number) when the record gives one.
+* Media stay inside the data: a path, relative or absolute, whose real location (``..`` and every symlink
+  resolved) is neither under ``image_root`` nor under the source's own folder is a bad record
+  (``image_outside_root`` / ``video_outside_root``), never opened. A record is text written by whoever made the data
+  set, so ``../../etc/passwd`` or ``/home/me/.ssh/id_rsa`` must not become a training image; a symlink is resolved
+  too, because a downloaded archive can carry one. Media kept elsewhere need an ``image_root`` (per source, or
+  ``data.image_root``) that holds them.
 * ``record_id`` is the record's ``id`` (string or integer) or, without one, its origin.
 
 Every problem is an :class:`MLLMRecordError` whose message starts with the record's origin (``file:line``),
@@ -50,13 +56,16 @@ origin line is the line where the record starts; when several records start on t
 ``#N`` (1-based record index) is appended.
 
 Real datasets carry broken records, so :func:`read_records` takes ``on_bad``: each bad record (a line that is
-not UTF-8 or not JSON, or a record :func:`parse_record` refuses) goes to it and reading goes on with the next
-record; without ``on_bad`` the first one is raised. A ``.json`` document that does not parse cannot be resynced
-and is always raised, as are file-level problems (reason ``invalid_source``: a config error, not a bad record).
+not UTF-8 or not JSON, a record over ``max_record_bytes``, or a record :func:`parse_record` refuses) goes to it and
+reading goes on with the next record; without ``on_bad`` the first one is raised. A JSONL line over the limit is
+skipped while the file is scanned, never held whole: measuring one 50 MB line (tokenizing it) took 7 GB of memory.
+A ``.json`` document that does not parse cannot be resynced and is always raised, as are file-level problems
+(reason ``invalid_source``: a config error, not a bad record).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -69,6 +78,9 @@ from mvp_engine.kit.mllm.data.sample import MLLMRecord
 
 IMAGE_TAG = "<image>"
 VIDEO_TAG = "<video>"
+DEFAULT_MAX_RECORD_BYTES = 16 * 2**20  # data.max_record_bytes: a record of 16 MiB is far past any real one
+RECORD_TOO_LARGE = "record_too_large"
+_SKIP_CHUNK = 2**20  # bytes read at a time while skipping the rest of a line over the limit
 
 
 @dataclass(frozen=True)
@@ -118,7 +130,8 @@ class MLLMRecordError(ValueError):
         super().__init__(message)
         self.reason = reason
         self.record_id = record_id
-        # the file (or frame folder) a ``missing_image`` / ``missing_video`` names: its appearing changes the verdict
+        # the file (or frame folder) a ``missing_*`` / ``*_outside_root`` verdict names: its change (appearing, a
+        # symlink pointed elsewhere) changes the verdict, so the measure cache watches it
         self.media_path = media_path
 
 
@@ -128,6 +141,7 @@ def read_records(
     *,
     allow_leading_assistant: bool = False,
     on_bad: Callable[[MLLMRecordError], None] | None = None,
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
 ) -> Iterator[MLLMRecord]:
     """Yield the records of a ``.json`` (list of records) or ``.jsonl`` (one per line) file, validated.
 
@@ -137,8 +151,7 @@ def read_records(
     """
     path = Path(path)
     name = str(path)
-    root = Path(image_root) if image_root is not None else path.parent
-    root = Path(os.path.abspath(root))
+    root = os.path.abspath(image_root if image_root is not None else path.parent)
     suffix = path.suffix.lower()
     if suffix not in (".json", ".jsonl"):
         raise MLLMRecordError(
@@ -146,10 +159,16 @@ def read_records(
         )
     if not path.is_file():
         raise MLLMRecordError(f"{name}: data file not found", "invalid_source")
-    raw_records = _iter_jsonl(path, name, on_bad) if suffix == ".jsonl" else iter_json_values(path, name)
+    if suffix == ".jsonl":
+        raw_records = ((origin, decode_json_line(line, origin) if isinstance(line, bytes) else line)
+                       for origin, line in jsonl_lines(path, name, max_record_bytes))
+    else:
+        raw_records = iter_json_values(path, name, max_record_bytes)
     for origin, raw in raw_records:
         try:
-            record = parse_record(raw, origin, root, allow_leading_assistant)
+            if isinstance(raw, MLLMRecordError):
+                raise raw
+            record = parse_record(raw, origin, root, allow_leading_assistant, source_dir=path.parent)
         except MLLMRecordError as err:
             _bad(err, on_bad)
             continue
@@ -157,21 +176,26 @@ def read_records(
 
 
 def parse_record(
-    raw: Any, origin: str, image_root: str | os.PathLike, allow_leading_assistant: bool = False
+    raw: Any, origin: str, image_root: str | os.PathLike, allow_leading_assistant: bool = False,
+    source_dir: str | os.PathLike | None = None,
 ) -> MLLMRecord:
     """Validate one decoded JSON value and normalise it to an :class:`MLLMRecord` (see module docstring).
 
-    The error carries the record's ``id`` when it has a usable one, so a report can name the record.
+    Media paths resolve against ``image_root`` and must lie under it or under ``source_dir`` (the folder holding
+    the source; None: ``image_root`` alone). The error carries the record's ``id`` when it has a usable one, so a
+    report can name the record.
     """
+    folders = (os.path.abspath(image_root), os.path.abspath(source_dir or image_root))
+    roots = _MediaRoots(folders[0], tuple(dict.fromkeys(map(_real_folder, folders))))
     try:
-        return _parse_record(raw, origin, image_root, allow_leading_assistant)
+        return _parse_record(raw, origin, roots, allow_leading_assistant)
     except MLLMRecordError as err:
         if err.record_id is None:
             err.record_id = _given_id(raw)
         raise
 
 
-def _parse_record(raw: Any, origin: str, image_root, allow_leading_assistant: bool) -> MLLMRecord:
+def _parse_record(raw: Any, origin: str, roots: _MediaRoots, allow_leading_assistant: bool) -> MLLMRecord:
     if not isinstance(raw, dict):
         raise MLLMRecordError(f"{origin}: record is not a JSON object (got {_json_type(raw)})")
     has_llava, has_openai = "conversations" in raw, "messages" in raw
@@ -183,8 +207,8 @@ def _parse_record(raw: Any, origin: str, image_root, allow_leading_assistant: bo
             f"keys: {sorted(raw)}"
         )
     fps = _fps(raw.get("fps"), origin)
-    media = {kind: [_resolve(p, origin, image_root, kind) for p in _top_level(raw, origin, kind)] for kind in _KINDS}
-    messages = _llava_messages(raw, origin) if has_llava else _openai_messages(raw, origin, image_root, fps)
+    media = {kind: [roots.resolve(p, origin, kind) for p in _top_level(raw, origin, kind)] for kind in _KINDS}
+    messages = _llava_messages(raw, origin) if has_llava else _openai_messages(raw, origin, roots, fps)
     messages = _with_top_level_system(raw, messages, origin)
     _check_roles(messages, origin, allow_leading_assistant)
     for kind in reversed(_KINDS):  # unplaced media are prepended: videos first, so images end up before them
@@ -206,23 +230,31 @@ def _bad(err: MLLMRecordError, on_bad: Callable[[MLLMRecordError], None] | None)
     on_bad(err)
 
 
-def _iter_jsonl(path: Path, name: str, on_bad) -> Iterator[tuple[str, Any]]:
-    """Decoded lines; a line that is not UTF-8 or not JSON is one bad record, the next line starts afresh."""
-    for origin, line in jsonl_lines(path, name):
-        value = decode_json_line(line, origin)
-        if isinstance(value, MLLMRecordError):
-            _bad(value, on_bad)
-            continue
-        yield origin, value
-
-
-def jsonl_lines(path: Path, name: str) -> Iterator[tuple[str, bytes]]:
+def jsonl_lines(path: Path, name: str, max_bytes: int = DEFAULT_MAX_RECORD_BYTES
+                ) -> Iterator[tuple[str, bytes | MLLMRecordError]]:
     """``(origin, line)`` of every line of a JSONL file that is not blank, origin ``name:line`` (1-based): the one
-    numbering of JSONL records, for the in-memory reader and the record store alike."""
+    numbering of JSONL records, for the in-memory reader and the record store alike. A line longer than
+    ``max_bytes`` (its newline not counted) comes as its :func:`record_too_large` error instead, read in chunks and
+    dropped, so it never sits whole in memory."""
     with path.open("rb") as handle:
-        for line_no, line in enumerate(handle, start=1):
-            if line.strip():
-                yield f"{name}:{line_no}", line
+        line_no = 0
+        while line := handle.readline(max_bytes + 1):
+            line_no += 1
+            origin = f"{name}:{line_no}"
+            size = len(line) - line.endswith(b"\n")
+            if size <= max_bytes:
+                if line.strip():
+                    yield origin, line
+                continue
+            while not line.endswith(b"\n") and (line := handle.readline(_SKIP_CHUNK)):
+                size += len(line) - line.endswith(b"\n")
+            yield origin, record_too_large(origin, size, max_bytes)
+
+
+def record_too_large(origin: str, size: int, max_bytes: int) -> MLLMRecordError:
+    """The bad record of a record of ``size`` bytes, over the ``data.max_record_bytes`` limit."""
+    return MLLMRecordError(f"{origin}: record is {size} bytes, over data.max_record_bytes={max_bytes}; not read "
+                           "(raise the limit to train it)", RECORD_TOO_LARGE)
 
 
 def decode_json_line(line: bytes, origin: str) -> Any:
@@ -238,8 +270,11 @@ def decode_json_line(line: bytes, origin: str) -> Any:
         return MLLMRecordError(f"{origin}: invalid JSON: {exc.msg} (column {exc.colno})", "invalid_json")
 
 
-def iter_json_values(path: Path, name: str) -> Iterator[tuple[str, Any]]:
-    """Decode a JSON list element by element so each record knows the line it starts on."""
+def iter_json_values(path: Path, name: str, max_bytes: int = DEFAULT_MAX_RECORD_BYTES
+                     ) -> Iterator[tuple[str, Any]]:
+    """Decode a JSON list element by element so each record knows the line it starts on; a record whose text is
+    longer than ``max_bytes`` comes as its :func:`record_too_large` error (the document is parsed whole, as JSON
+    requires, but nothing measures the record)."""
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
@@ -263,7 +298,7 @@ def iter_json_values(path: Path, name: str) -> Iterator[tuple[str, Any]]:
         raise MLLMRecordError(
             f"{name}:1: a .json data file must hold a list of records, got {_json_type(value)}", "invalid_source"
         )
-    starts: list[tuple[int, Any]] = []
+    starts: list[tuple[int, Any]] = []  # (offset, value, or _Oversized for a record over the limit)
     pos = skip(pos + 1)
     if pos < len(text) and text[pos] == "]":
         pos = skip(pos + 1)
@@ -273,7 +308,9 @@ def iter_json_values(path: Path, name: str) -> Iterator[tuple[str, Any]]:
                 value, end = decoder.raw_decode(text, pos)
             except json.JSONDecodeError as exc:
                 raise _json_error(name, exc) from None
-            starts.append((pos, value))
+            # a character is 1 to 4 UTF-8 bytes: count the bytes only where the characters leave it open
+            size = len(text[pos:end].encode("utf-8")) if 4 * (end - pos) > max_bytes else end - pos
+            starts.append((pos, value if size <= max_bytes else _Oversized(size)))
             pos = skip(end)
             if pos < len(text) and text[pos] == ",":
                 pos = skip(pos + 1)
@@ -292,7 +329,14 @@ def iter_json_values(path: Path, name: str) -> Iterator[tuple[str, Any]]:
     shared = {ln for i, ln in enumerate(lines) if i and lines[i - 1] == ln}
     for index, ((_, value), ln) in enumerate(zip(starts, lines, strict=True), start=1):
         origin = f"{name}:{ln}#{index}" if ln in shared else f"{name}:{ln}"
-        yield origin, value
+        yield origin, record_too_large(origin, value.size, max_bytes) if isinstance(value, _Oversized) else value
+
+
+@dataclass(frozen=True)
+class _Oversized:
+    """Stands for a ``.json`` record over the size limit until its origin is known (the value itself is let go)."""
+
+    size: int
 
 
 def _json_error(name: str, exc: json.JSONDecodeError) -> MLLMRecordError:
@@ -332,7 +376,7 @@ def _llava_messages(raw: dict, origin: str) -> list[dict]:
     return messages
 
 
-def _openai_messages(raw: dict, origin: str, image_root, fps: float | None) -> list[dict]:
+def _openai_messages(raw: dict, origin: str, roots: _MediaRoots, fps: float | None) -> list[dict]:
     messages = []
     for where, role, content in _turns(raw, "messages", "role", "content", _OPENAI_ROLES,
                                        "system, user or assistant", origin):
@@ -341,14 +385,14 @@ def _openai_messages(raw: dict, origin: str, image_root, fps: float | None) -> l
         elif isinstance(content, list):
             parts = []
             for part_index, part in enumerate(content, start=1):
-                parts.extend(_openai_part(part, f"{where}, part {part_index}", image_root, fps))
+                parts.extend(_openai_part(part, f"{where}, part {part_index}", roots, fps))
         else:
             raise MLLMRecordError(f"{where}: 'content' must be a string or a list of parts, got {_json_type(content)}")
         messages.append({"role": role, "content": parts})
     return messages
 
 
-def _openai_part(part: Any, where: str, image_root, record_fps: float | None) -> list:
+def _openai_part(part: Any, where: str, roots: _MediaRoots, record_fps: float | None) -> list:
     if not isinstance(part, dict):
         raise MLLMRecordError(f"{where} is not an object (got {_json_type(part)})")
     kind = part.get("type")
@@ -372,7 +416,7 @@ def _openai_part(part: Any, where: str, image_root, record_fps: float | None) ->
         value = value.get("url")
     if not isinstance(value, str):
         raise MLLMRecordError(f"{where}: {media.name} {sources[0]!r} must be a path string, got {_json_type(value)}")
-    return [_media_part(media, _resolve(value, where, image_root, media), fps)]
+    return [_media_part(media, roots.resolve(value, where, media), fps)]
 
 
 # --- validation and normalisation --------------------------------------------------------------------------
@@ -511,21 +555,41 @@ def _fps(value: Any, where: str) -> float | None:
     return float(value)
 
 
-def _resolve(value: str, where: str, image_root, kind: _Kind) -> str:
-    """Absolute path of a media reference, checked to exist; ``where`` prefixes the error message."""
-    name = kind.name
-    if value.startswith("file://"):
-        value = value[len("file://") :]
-    elif re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", value) and not re.match(r"^[A-Za-z]:[\\/]", value):
-        raise MLLMRecordError(f"{where}: {name} {value[:80]!r} is a URL; only local files are supported",
-                              f"remote_{name}")
-    if not value:
-        raise MLLMRecordError(f"{where}: empty {name} path")
-    path = os.path.abspath(os.path.join(image_root, value))
-    if not kind.exists(path):
-        what = "image file" if kind is IMAGE else "video file or frame folder"
-        raise MLLMRecordError(f"{where}: {what} not found: {path}", f"missing_{name}", media_path=path)
-    return path
+@dataclass(frozen=True)
+class _MediaRoots:
+    """Where a record's media may come from: relative paths join ``base``; every path must really lie (symlinks
+    resolved) under one of ``allowed`` (real paths: the image root and the source's folder)."""
+
+    base: str
+    allowed: tuple[str, ...]
+
+    def resolve(self, value: str, where: str, kind: _Kind) -> str:
+        """Absolute path of a media reference, checked to stay inside the allowed folders and to exist; ``where``
+        prefixes the error message."""
+        name = kind.name
+        if value.startswith("file://"):
+            value = value[len("file://") :]
+        elif re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", value) and not re.match(r"^[A-Za-z]:[\\/]", value):
+            raise MLLMRecordError(f"{where}: {name} {value[:80]!r} is a URL; only local files are supported",
+                                  f"remote_{name}")
+        if not value:
+            raise MLLMRecordError(f"{where}: empty {name} path")
+        path = os.path.abspath(os.path.join(self.base, value))
+        real = os.path.realpath(path)
+        if not any(os.path.commonpath([real, folder]) == folder for folder in self.allowed):
+            raise MLLMRecordError(f"{where}: {name} {value[:80]!r} leads to {real}, outside the image root and the "
+                                  f"source's folder ({', '.join(self.allowed)}); not opened", f"{name}_outside_root",
+                                  media_path=path)
+        if not kind.exists(path):
+            what = "image file" if kind is IMAGE else "video file or frame folder"
+            raise MLLMRecordError(f"{where}: {what} not found: {path}", f"missing_{name}", media_path=path)
+        return path
+
+
+@functools.lru_cache(maxsize=256)
+def _real_folder(folder: str) -> str:
+    """The real path of an absolute folder, once per process (every record of a source asks for the same two)."""
+    return os.path.realpath(folder)
 
 
 def _record_id(raw: dict, origin: str) -> str:

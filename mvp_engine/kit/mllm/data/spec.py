@@ -8,6 +8,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 
 from .mixture import MLLMSource, source_entries
+from .sources import DEFAULT_MAX_RECORD_BYTES
 
 STRATEGIES = ("greedy", "bfd")
 OVERLONG_POLICIES = ("drop", "error", "truncate")
@@ -94,6 +95,7 @@ class MLLMDataSpec:
     cache_dir: str | None = None  # converted sources and measured metadata; None: $VLM_PACKING_CACHE or ~/.cache/...
     measure_cache: bool = True  # reuse measured lengths while sources, media files and encoder are unchanged
     measure_workers: int = 0  # processes measuring records on a cold start; 0: one per CPU core
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES  # a larger JSON/JSONL record is a bad record, left unread
 
     def __post_init__(self) -> None:
         if isinstance(self.sources, str):
@@ -116,6 +118,10 @@ class MLLMDataSpec:
         if not isinstance(self.measure_workers, int) or self.measure_workers < 0:
             raise ValueError(f"data.measure_workers={self.measure_workers!r} is invalid: allowed an int >= 0 "
                              "(0: one per CPU core)")
+        if isinstance(self.max_record_bytes, bool) or not isinstance(self.max_record_bytes, int) or \
+                self.max_record_bytes < 1:
+            raise ValueError(f"data.max_record_bytes={self.max_record_bytes!r} is invalid: allowed an int >= 1 "
+                             f"(bytes; default {DEFAULT_MAX_RECORD_BYTES})")
 
     def source_entries(self) -> list[MLLMSource]:
         """``sources`` as validated :class:`MLLMSource` entries (path, repeat, name, image_root)."""

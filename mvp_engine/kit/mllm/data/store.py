@@ -5,8 +5,10 @@ Sources (``data.sources``, one file or folder each):
 * ``.jsonl`` / ``.json``: converted once into an Arrow file in the cache (``<cache>/records``), one row per record
   holding its origin (``file:line``, numbered by ``jsonl_lines`` as :func:`read_records` numbers it) and its raw
   JSON text. ``datasets``' own JSON loader is not used for this: it keeps no line numbers and fails a whole file on
-  one malformed line, while a bad line here is one bad record, found when the record is measured. The Arrow file is
-  keyed by the file's path, size and modification time, so an edited file is converted again.
+  one malformed line, while a bad line here is one bad record, found when the record is measured. A record over
+  ``data.max_record_bytes`` is a row without its text (``refused`` says why: a bad record when measured). The Arrow
+  file is keyed by the file's identity (:func:`source_identity`) and the size limit, so an edited file is converted
+  again.
 * ``.parquet``: loaded with ``datasets.Dataset.from_parquet`` (its own fingerprinted Arrow cache); origin
   ``file#row`` (1-based).
 * a folder written by ``datasets``' ``save_to_disk``: loaded with ``Dataset.load_from_disk`` (memory-mapped as it
@@ -38,17 +40,50 @@ import pyarrow as pa
 from filelock import FileLock
 
 from .sample import MLLMRecord
-from .sources import MLLMRecordError, decode_json_line, iter_json_values, jsonl_lines, parse_record
+from .sources import (
+    DEFAULT_MAX_RECORD_BYTES,
+    RECORD_TOO_LARGE,
+    MLLMRecordError,
+    decode_json_line,
+    iter_json_values,
+    jsonl_lines,
+    parse_record,
+)
 
-STORE_FORMAT = 1  # bump when the Arrow layout of converted JSON sources changes
+STORE_FORMAT = 2  # bump when the Arrow layout of converted JSON sources changes (2: the ``refused`` column)
 _ROWS_PER_BATCH = 50_000
-_SCHEMA = pa.schema([("origin", pa.string()), ("raw", pa.binary())])
+_SCHEMA = pa.schema([("origin", pa.string()), ("raw", pa.binary()), ("refused", pa.string())])
+EDGE_BYTES = 64 * 1024  # bytes of each end of a file hashed into its identity
 
 
 def file_identity(path: str | os.PathLike) -> list:
-    """What says a file is unchanged: its absolute path, size and modification time (ns)."""
+    """What says a file is unchanged: its absolute path, size, modification and status-change times (ns) and a hash
+    of its first and last ``EDGE_BYTES`` (the whole of a small file).
+
+    Size and mtime alone miss a file rewritten at the same size with its mtime kept (``cp -p``, ``rsync -a``, tar
+    extraction, ``touch -r``), which then trained the lengths measured for the old content. Every such rewrite
+    sets the ctime, which no user call can set back; the edge hash covers file systems whose ctime is not real (some
+    FUSE and object-store mounts). The inode is left out: it changes when such a mount is mounted again, which would
+    measure a whole data set again for nothing. A metadata change (``chmod``) also moves the ctime: the price is one
+    measure, never a stale length."""
     stat = os.stat(path)
-    return [os.path.abspath(path), stat.st_size, stat.st_mtime_ns]
+    with open(path, "rb") as handle:
+        edges = hashlib.sha256(handle.read(EDGE_BYTES))
+        if stat.st_size > 2 * EDGE_BYTES:
+            handle.seek(-EDGE_BYTES, os.SEEK_END)
+        edges.update(handle.read(EDGE_BYTES))
+    return [os.path.abspath(path), stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, edges.hexdigest()[:24]]
+
+
+def source_identity(path: str | os.PathLike) -> str:
+    """What a source's content is, as a short hash: the :func:`file_identity` of its file, or of every file of a
+    ``save_to_disk`` folder. It keys the converted records and the measured lengths; a run's record of the data it
+    trained can keep it to notice a changed source."""
+    path = Path(path)
+    if path.is_dir():
+        folder = _saved_folder(path)
+        return digest([str(folder.resolve()), [file_identity(f) for f in sorted(folder.iterdir()) if f.is_file()]])
+    return digest(file_identity(path))
 
 
 def digest(value: Any) -> str:
@@ -59,17 +94,19 @@ def digest(value: Any) -> str:
 @dataclass
 class SourceRows:
     """One source as a ``datasets.Dataset`` plus how its rows become raw records; picklable without the table, so
-    ``datasets.map`` workers can take it. ``json_rows``: rows are ``(origin, raw JSON bytes)``."""
+    ``datasets.map`` workers can take it. ``json_rows``: rows are ``(origin, raw JSON bytes, refused)``.
+    ``source_dir``: the folder holding the source, where media may lie besides ``image_root``."""
 
     name: str
     image_root: str
+    source_dir: str
     json_rows: bool
 
     def raw_records(self, batch: dict[str, list], indices: list[int]) -> Iterator[tuple[str, Any]]:
         """``(origin, decoded record or MLLMRecordError)`` per row of a ``datasets`` batch."""
         if self.json_rows:
-            for origin, raw in zip(batch["origin"], batch["raw"]):
-                yield origin, decode_json_line(raw, origin)
+            for origin, raw, refused in zip(batch["origin"], batch["raw"], batch["refused"]):
+                yield origin, _json_row(origin, raw, refused)
             return
         keys = list(batch)
         for j, index in enumerate(indices):
@@ -82,12 +119,17 @@ class SourceRows:
         """Row ``index`` parsed and validated (raises :class:`MLLMRecordError` for a bad one)."""
         row = table[index]
         if self.json_rows:
-            origin, raw = row["origin"], decode_json_line(row["raw"], row["origin"])
+            origin, raw = row["origin"], _json_row(row["origin"], row["raw"], row["refused"])
             if isinstance(raw, MLLMRecordError):
                 raise raw
         else:
             origin, raw = f"{self.name}#{index + 1}", row
-        return parse_record(raw, origin, self.image_root, allow_leading_assistant)
+        return parse_record(raw, origin, self.image_root, allow_leading_assistant, source_dir=self.source_dir)
+
+
+def _json_row(origin: str, raw: bytes, refused: str | None) -> Any:
+    """The decoded record of a converted JSON row, or the :class:`MLLMRecordError` it is."""
+    return MLLMRecordError(refused, RECORD_TOO_LARGE) if refused is not None else decode_json_line(raw, origin)
 
 
 class RecordStore:
@@ -95,23 +137,28 @@ class RecordStore:
 
     ``store[i]`` parses record ``i`` on demand; ``len(store)`` counts every record row (bad ones included, as the
     bad-record fraction counts them). ``sources`` pairs each table with its :class:`SourceRows`; ``fingerprints``
-    says what each source's content is, for the measure cache.
+    says what each source's content is (:func:`source_identity`), for the measure cache, as does
+    ``max_record_bytes`` (the JSON rows it left without their text).
     """
 
-    def __init__(self, sources: list[tuple[Any, SourceRows, str]], allow_leading_assistant: bool = False):
+    def __init__(self, sources: list[tuple[Any, SourceRows, str]], allow_leading_assistant: bool = False,
+                 max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES):
         self.sources = [(table, rows) for table, rows, _ in sources]
         self.fingerprints = [fingerprint for _, _, fingerprint in sources]
         self.allow_leading_assistant = allow_leading_assistant
+        self.max_record_bytes = max_record_bytes
         self.offsets = np.cumsum([0] + [len(table) for table, _ in self.sources])
 
     @classmethod
     def open(cls, paths: list[str], cache_dir: str | os.PathLike, image_root: str | None = None,
-             allow_leading_assistant: bool = False, image_roots: list[str | None] | None = None) -> RecordStore:
-        """The sources of ``paths``; ``image_roots`` (one per path, None: ``image_root``) is each source's own root."""
+             allow_leading_assistant: bool = False, image_roots: list[str | None] | None = None,
+             max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> RecordStore:
+        """The sources of ``paths``; ``image_roots`` (one per path, None: ``image_root``) is each source's own root;
+        a JSON/JSONL record over ``max_record_bytes`` is a bad record (``record_too_large``) left unread."""
         cache = Path(cache_dir)
         roots = image_roots or [None] * len(paths)
-        return cls([_open_source(Path(path), cache, image_root if root is None else root)
-                    for path, root in zip(paths, roots, strict=True)], allow_leading_assistant)
+        return cls([_open_source(Path(path), cache, image_root if root is None else root, max_record_bytes)
+                    for path, root in zip(paths, roots, strict=True)], allow_leading_assistant, max_record_bytes)
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
@@ -178,49 +225,52 @@ def _saved_folder(path: Path) -> Path:
     return path / ("train" if "train" in splits else splits[0])
 
 
-def _open_source(path: Path, cache: Path, image_root: str | None) -> tuple[Any, SourceRows, str]:
+def _open_source(path: Path, cache: Path, image_root: str | None,
+                 max_record_bytes: int) -> tuple[Any, SourceRows, str]:
     import datasets
 
     kind = source_kind(path)
-    root = os.path.abspath(image_root if image_root is not None else path.parent)
+    folder = os.path.abspath(path.parent)
+    root = os.path.abspath(image_root) if image_root is not None else folder
+    identity = source_identity(path)
     if kind == "saved":
         table = datasets.Dataset.load_from_disk(str(_saved_folder(path)))
-        fingerprint = digest([str(path.resolve()), table._fingerprint,
-                              [file_identity(f["filename"]) for f in table.cache_files]])
-        return table, SourceRows(str(path), root, json_rows=False), fingerprint
+        return table, SourceRows(str(path), root, folder, json_rows=False), identity
     if kind == "parquet":
         table = datasets.Dataset.from_parquet(str(path), cache_dir=str(cache / "parquet"))
-        return table, SourceRows(str(path), root, json_rows=False), digest(file_identity(path))
-    arrow = _converted_json(path, cache / "records")
-    return datasets.Dataset.from_file(str(arrow)), SourceRows(str(path), root, json_rows=True), \
-        digest(file_identity(path))
+        return table, SourceRows(str(path), root, folder, json_rows=False), identity
+    arrow = _converted_json(path, cache / "records", identity, max_record_bytes)
+    return datasets.Dataset.from_file(str(arrow)), SourceRows(str(path), root, folder, json_rows=True), identity
 
 
-def _converted_json(path: Path, cache: Path) -> Path:
+def _converted_json(path: Path, cache: Path, identity: str, max_record_bytes: int) -> Path:
     """The Arrow file of a JSON/JSONL source, converted under a file lock (several ranks may ask at once) and
     published by rename, so a reader never sees half a file."""
     cache.mkdir(parents=True, exist_ok=True)
-    target = cache / f"{path.stem[:40]}-{digest([STORE_FORMAT, *file_identity(path)])}.arrow"
+    target = cache / f"{path.stem[:40]}-{digest([STORE_FORMAT, identity, max_record_bytes])}.arrow"
     with FileLock(str(target) + ".lock"):
         if not target.exists():
             partial = target.with_suffix(".partial")
             with pa.OSFile(str(partial), "wb") as sink, pa.ipc.new_stream(sink, _SCHEMA) as writer:
-                for origins, raws in _json_batches(path):
-                    writer.write_batch(pa.record_batch([pa.array(origins, pa.string()),
-                                                        pa.array(raws, pa.binary())], schema=_SCHEMA))
+                for columns in _json_batches(path, max_record_bytes):
+                    writer.write_batch(pa.record_batch([pa.array(column, kind) for column, kind in
+                                                        zip(columns, _SCHEMA.types)], schema=_SCHEMA))
             os.replace(partial, target)
     return target
 
 
-def _json_batches(path: Path) -> Iterator[tuple[list[str], list[bytes]]]:
-    """Rows of a JSON/JSONL file in batches: JSONL lines as they are (blank ones skipped), a JSON list's records
-    serialised back one by one (the list must parse whole; see :func:`iter_json_values`)."""
+def _json_batches(path: Path, max_record_bytes: int) -> Iterator[tuple[list[str], list[bytes], list[str | None]]]:
+    """Rows of a JSON/JSONL file in batches of ``(origins, raws, refused)``: JSONL lines as they are (blank ones
+    skipped), a JSON list's records serialised back one by one (the list must parse whole; see
+    :func:`iter_json_values`); a record over the size limit has no text and its error's message in ``refused``."""
     name = str(path)
     if path.suffix.lower() == ".jsonl":
-        rows = jsonl_lines(path, name)
+        rows = jsonl_lines(path, name, max_record_bytes)
     else:
-        rows = ((origin, json.dumps(value, ensure_ascii=False).encode())
-                for origin, value in iter_json_values(path, name))
+        rows = ((origin, value if isinstance(value, MLLMRecordError) else
+                 json.dumps(value, ensure_ascii=False).encode())
+                for origin, value in iter_json_values(path, name, max_record_bytes))
     while batch := list(islice(rows, _ROWS_PER_BATCH)):
-        origins, raws = zip(*batch)
-        yield list(origins), list(raws)
+        yield ([origin for origin, _ in batch],
+               [b"" if isinstance(raw, MLLMRecordError) else raw for _, raw in batch],
+               [str(raw) if isinstance(raw, MLLMRecordError) else None for _, raw in batch])
