@@ -1,17 +1,26 @@
-"""The stand-alone evaluation entry (``python -m recipes.<name>.evaluate``) logs to ``evaluate.log``, not to the
-training entry's ``train.log`` (both read ``conf/<name>.yaml``, which names the Hydra job ``train``). In process:
-the entry's Hydra start is what is checked, the evaluation itself is replaced."""
+"""The stand-alone evaluation entry (``python -m recipes.<name>.evaluate``): every recipe that trains has one, and
+it logs to ``evaluate.log``, not to the training entry's ``train.log`` (both read ``conf/<name>.yaml``, which names
+the Hydra job ``train``). In process: the entry's Hydra start is what is checked, the evaluation itself is
+replaced."""
 
 from __future__ import annotations
 
+import importlib
 import logging
+import re
 import sys
+from pathlib import Path
 
 import pytest
+import yaml
 from hydra.core.hydra_config import HydraConfig
 
 import mvp_engine.engine.evaluate as entry_module
+from mvp_engine.engine.config import CONF_DIR, compose_config
 from mvp_engine.engine.recipe import load_recipe
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RECIPES = REPO_ROOT / "recipes"
 
 
 @pytest.fixture
@@ -43,3 +52,21 @@ def test_the_evaluate_entry_logs_to_evaluate_log(monkeypatch, tmp_path, hydra_lo
 def test_a_job_name_on_the_command_line_still_wins(monkeypatch, tmp_path, hydra_logging):
     assert start_entry(monkeypatch, tmp_path, "hydra.job.name=mine") == "mine"
     assert (tmp_path / "mine.log").is_file()
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in RECIPES.iterdir() if (p / "train.py").is_file()))
+def test_every_recipe_that_trains_has_an_evaluate_entry(name):
+    """Found, not listed: a recipe added with a ``train.py`` and no ``evaluate.py`` fails here."""
+    assert (RECIPES / name / "evaluate.py").is_file(), f"recipes/{name} trains but has no evaluate.py"
+    entry, train = (importlib.import_module(f"recipes.{name}.{module}") for module in ("evaluate", "train"))
+    assert callable(entry.main) and entry.RECIPE is train.RECIPE
+
+
+def test_the_readme_evaluate_example_names_the_model_folder_a_run_writes():
+    """The README's ``model.pretrained=outputs/<dir>/<time>/model``: ``<dir>`` is what the recipe's ``hydra.run.dir``
+    (``outputs/${model.name}/<time>``) makes of its model, not the model config's file name."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    ((name, folder),) = re.findall(r"recipes\.(\w+)\.evaluate model\.pretrained=outputs/([^/\s]+)/<time>/model", readme)
+    run_dir = yaml.safe_load((CONF_DIR / f"{name}.yaml").read_text())["hydra"]["run"]["dir"]
+    assert run_dir.startswith("outputs/${model.name}/"), run_dir
+    assert folder == compose_config(name).model.name

@@ -1,7 +1,8 @@
 """Evaluation on ``data.eval_sources``: inside a run (``train.eval_every_steps`` and the end), after a resume, and
 stand-alone (``recipes.<name>.evaluate``); the eval loss is the token-weighted mean over the whole eval set, so
-packed and unpacked evaluations of one model agree whatever the packing, micro-batch and world size. Trackers:
-``train.report_to=[tensorboard]`` event files read back equal ``metrics.jsonl``.
+packed and unpacked evaluations of one model agree whatever the packing, micro-batch and world size. Stand-alone
+scores a saved model only (a LoRA run's adapter folder included, offline), and nothing evaluated is never a loss of
+0. Trackers: ``train.report_to=[tensorboard]`` event files read back equal ``metrics.jsonl``.
 """
 
 from __future__ import annotations
@@ -9,20 +10,24 @@ from __future__ import annotations
 import json
 import math
 import re
-import shutil
 import sys
 from pathlib import Path
 
+import huggingface_hub.constants
 import pytest
+import torch
 import yaml
+from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+import mvp_engine.engine.evaluate as evaluate_module
 import mvp_engine.engine.testing as kit
 from mvp_engine.engine import trackers
 from mvp_engine.engine.checkpoint import CHECKPOINTS
 from mvp_engine.engine.config import ConfigError, resolve_run_specs
 from mvp_engine.engine.entry import run_recipe
 from mvp_engine.engine.evaluate import EVAL_FILE, evaluate, evaluate_recipe
+from mvp_engine.engine.evaluation import EVAL_LOSS, NO_LOSS, describe, eval_metrics
 from mvp_engine.engine.testkit.records import write_messy_jsonl
 from mvp_engine.kit.mllm.data import TooManyBadRecords
 
@@ -42,6 +47,17 @@ def data(tmp_path_factory) -> dict[str, Path]:
         written = kit.write_mixed_jsonl(root / name, num_records=count)
         sources[name] = written.rename(written.with_name(f"{name}.jsonl"))
     return {"train": train, **sources}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """The recipe's tiny model and processor, untrained, saved as a folder: what the evaluations that test the data
+    side evaluate (``evaluate`` scores a saved model only)."""
+    folder = tmp_path_factory.mktemp("eval_saved")
+    recipe, cfg = kit.load_recipe(RECIPE), kit.compose_config(RECIPE)
+    recipe.build_model(cfg.model, "sdpa").save_pretrained(folder)
+    recipe.build_processor(cfg.model).save_pretrained(folder)
+    return folder
 
 
 def eval_sources(data) -> str:
@@ -160,6 +176,61 @@ def test_packed_evaluation_gives_the_unpacked_loss_whatever_the_packing_and_micr
     assert abs(kit.read_summary(reference)["eval"]["eval_loss"] - base["eval_loss"]) <= EVAL_TOL
 
 
+@pytest.fixture(scope="module")
+def adapted(data, tmp_path_factory) -> Path:
+    """A LoRA run on the tiny, randomly initialised base (``lm_head`` trained beside the adapters), evaluated at its
+    end."""
+    out = tmp_path_factory.mktemp("eval_lora")
+    kit.train(RECIPE, out, [f"data.sources=[{data['train']}]", eval_sources(data), "data.max_seq_len=160",
+                            "+packing=greedy", "train.micro_batch_size=4", "train.learning_rate=5e-3",
+                            "model.lora.r=4", "model.lora.modules_to_save=[lm_head]"])
+    return out
+
+
+def test_an_adapter_folder_of_a_fresh_base_evaluates_offline_as_its_run_did(adapted, data, tmp_path):
+    """``model.pretrained=<run>/model`` alone: the folder holds the base the adapters were trained on (no path names
+    a seeded init), so the loss is the run's own last evaluation, with the adapters applied, the hub never asked."""
+    folder = adapted / "model"
+    assert json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"] is None
+    assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+    trained = load_file(str(folder / "adapter_model.safetensors"))
+    assert any(".lora_B." in key and value.abs().max() > 0 for key, value in trained.items()), "adapters untrained"
+    result = stand_alone(folder, data, tmp_path, "+packing=greedy", "train.micro_batch_size=4")
+    run = kit.read_summary(adapted)["eval"]
+    for key in ("eval_loss", "eval_loss/held_a", "eval_loss/val_b"):
+        assert abs(result[key] - run[key]) <= EVAL_TOL, (key, result[key], run[key])
+
+
+@pytest.mark.parametrize("base", [None, "/nonexistent/base"])
+def test_an_adapter_folder_without_its_base_stops_with_one_line(data, tmp_path, base):
+    """Saved before adapters carried their base, or naming a base folder that is not here: one line naming the
+    folder, instead of five retries against the model hub and a traceback."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": base}))
+    cfg = kit.compose_config(RECIPE, [f"model.pretrained={folder}", eval_sources(data), f"train.output_dir={tmp_path}"])
+    expected = ("the adapter folder holds no base model" if base is None
+                else f"the adapters' base {base} .* is not a folder on this machine")
+    with pytest.raises(ConfigError, match=rf"^model.pretrained={folder}: {expected}") as err:
+        evaluate(cfg, kit.load_recipe(RECIPE))
+    assert "\n" not in str(err.value)
+
+
+def test_the_model_loads_with_the_model_hub_off(data, saved, tmp_path, monkeypatch):
+    """Whatever the environment says, a name that is no local folder must not start downloads or retries."""
+    before, seen = huggingface_hub.constants.HF_HUB_OFFLINE, []
+
+    def assemble(*args):
+        seen.append(huggingface_hub.constants.HF_HUB_OFFLINE)
+        raise ConfigError("stop here")
+
+    monkeypatch.setattr(evaluate_module, "assemble", assemble)
+    cfg = kit.compose_config(RECIPE, [f"model.pretrained={saved}", eval_sources(data), f"train.output_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match="stop here"):
+        evaluate(cfg, kit.load_recipe(RECIPE))
+    assert seen == [True] and huggingface_hub.constants.HF_HUB_OFFLINE == before
+
+
 @pytest.mark.launch
 def test_two_context_parallel_ranks_evaluate_what_one_process_does(reference, data, tmp_path):
     """``torchrun`` with 2 gloo ranks and ``train.context_parallel_size=2``: each rank computes the loss of its half
@@ -179,10 +250,11 @@ def test_two_context_parallel_ranks_evaluate_what_one_process_does(reference, da
         assert abs(two[key] - one[key]) <= EVAL_TOL, (key, two[key], one[key])
 
 
-def test_held_out_records_left_out_are_counted_and_said(data, tmp_path, capsys):
+def test_held_out_records_left_out_are_counted_and_said(data, saved, tmp_path, capsys):
     """Overlong eval samples are dropped as in training (``data.overlong=drop``), never silently: the console says
     how many, the ledger counts them and still reconciles, and the loss covers the rest."""
-    cfg = kit.compose_config(RECIPE, [eval_sources(data), f"train.output_dir={tmp_path}", "data.max_seq_len=40"])
+    cfg = kit.compose_config(RECIPE, [f"model.pretrained={saved}", eval_sources(data), f"train.output_dir={tmp_path}",
+                                      "data.max_seq_len=40"])
     result = evaluate(cfg, kit.load_recipe(RECIPE))
     records = result["records"]
     dropped = sum(sum(entry["dropped"].values()) for entry in records.values())
@@ -193,7 +265,7 @@ def test_held_out_records_left_out_are_counted_and_said(data, tmp_path, capsys):
                      capsys.readouterr().out)
 
 
-def test_bad_eval_records_count_toward_the_bad_fraction_of_their_source(tmp_path):
+def test_bad_eval_records_count_toward_the_bad_fraction_of_their_source(saved, tmp_path):
     """An eval source is held to ``data.max_bad_fraction`` on its own: a third of it broken stops before any model
     runs when reading and measuring find too many, and after the evaluation when the corrupt image body only
     decoding finds tips it over; the line names the source."""
@@ -201,28 +273,74 @@ def test_bad_eval_records_count_toward_the_bad_fraction_of_their_source(tmp_path
     found_before = sum(reason not in {"corrupt_image"} for reason in expected.values())
     assert (found_before, len(expected)) == (8, 9)
     for limit, bad in (("0.01", found_before), ("0.3", len(expected))):
-        cfg = kit.compose_config(RECIPE, [f"data.eval_sources=[{data}]", f"train.output_dir={tmp_path}",
-                                          f"data.max_bad_fraction={limit}"])
+        cfg = kit.compose_config(RECIPE, [f"model.pretrained={saved}", f"data.eval_sources=[{data}]",
+                                          f"train.output_dir={tmp_path}", f"data.max_bad_fraction={limit}"])
         with pytest.raises(TooManyBadRecords) as err:
             evaluate(cfg, kit.load_recipe(RECIPE))
         assert str(err.value).startswith(f"data.eval_sources: messy: {bad} of 27 records are bad "), str(err.value)
         assert "\n" not in str(err.value)
 
 
-def test_evaluate_without_eval_sources_stops_with_one_line(tmp_path, capsys):
-    cfg = kit.compose_config(RECIPE, [f"train.output_dir={tmp_path}"])
+def test_evaluate_without_eval_sources_stops_with_one_line(saved, tmp_path, capsys):
+    cfg = kit.compose_config(RECIPE, [f"model.pretrained={saved}", f"train.output_dir={tmp_path}"])
     with pytest.raises(SystemExit):
         evaluate_recipe(cfg, kit.load_recipe(RECIPE))
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith("config error: data.eval_sources is empty")
 
 
-def test_two_eval_sources_of_one_name_are_refused_with_one_line(data, tmp_path):
-    twin = tmp_path / "twin"
-    twin.mkdir()
-    shutil.copy(data["held_a"], twin / "held_a.jsonl")
-    cfg = kit.compose_config(RECIPE, [f"data.eval_sources=[{data['held_a']},{twin / 'held_a.jsonl'}]",
-                                      f"train.output_dir={tmp_path}"])
-    with pytest.raises(ConfigError, match=r"data.eval_sources\[1\]: name 'held_a' is already used by "
+def test_evaluate_without_a_saved_model_refuses_naming_model_pretrained(data, tmp_path, capsys):
+    """A random model's eval loss looks like a result: ``evaluate`` scores only ``model.pretrained``, and says so
+    before it builds anything."""
+    cfg = kit.compose_config(RECIPE, [eval_sources(data), f"train.output_dir={tmp_path}"])
+    with pytest.raises(SystemExit):
+        evaluate_recipe(cfg, kit.load_recipe(RECIPE))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("config error: model.pretrained is not set: "), err
+    assert not (tmp_path / EVAL_FILE).exists()
+
+
+def test_a_source_with_every_record_left_out_stops_the_evaluation_naming_it(data, saved, tmp_path):
+    """Every held-out record overlong: no loss of 0, one line naming the source and the reason, before any model
+    runs. The training run's evaluator is built the same way: below."""
+    cfg = kit.compose_config(RECIPE, [f"model.pretrained={saved}", eval_sources(data), f"train.output_dir={tmp_path}",
+                                      "data.max_seq_len=8"])
+    with pytest.raises(ConfigError, match=r"^data.eval_sources: held_a: none of its 7 records can be evaluated, by "
+                                          r"reason \{'overlong': 7\}: raise data.max_seq_len"):
+        evaluate(cfg, kit.load_recipe(RECIPE))
+    assert not (tmp_path / EVAL_FILE).exists()
+
+
+def test_a_training_run_whose_eval_source_is_all_bad_stops_before_its_first_step(data, tmp_path):
+    """Every record of the eval source names a missing image (bad, allowed by ``data.max_bad_fraction=1``): the run
+    stops at assembly, not after training with an eval loss of 0."""
+    held = tmp_path / "missing.jsonl"
+    held.write_text("".join(json.dumps({"id": f"m{i}", "image": str(tmp_path / f"gone{i}.png"), "conversations": [
+        {"from": "human", "value": "<image>\nWhat?"}, {"from": "gpt", "value": "w1 w2"}]}) + "\n" for i in range(3)))
+    run = kit.train(RECIPE, tmp_path / "run", [f"data.sources=[{data['train']}]", f"data.eval_sources=[{held}]",
+                                               "data.max_bad_fraction=1.0", "data.max_seq_len=160"], check=False)
+    assert run.returncode == 1
+    assert re.fullmatch(r"config error: data.eval_sources: missing: none of its 3 records can be evaluated, by reason "
+                        r"\{'\w+': 3\}: .*", run.stderr.strip().splitlines()[-1]), run.stderr[-2000:]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_no_supervised_token_evaluated_is_a_loss_of_none_with_its_reason():
+    """Samples planned can still all turn out bad when decoded (within ``data.max_bad_fraction``): the loss is None
+    with the reason, in eval.json, metrics.jsonl and the printed line; never 0."""
+    sums = torch.tensor([[6.0, 3.0, 2.0, 1.0], [0.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    some = eval_metrics(["a", "b"], sums)
+    assert (some[EVAL_LOSS], some[f"{EVAL_LOSS}/a"], some[f"{EVAL_LOSS}/b"]) == (2.0, 2.0, None)
+    assert NO_LOSS not in some and describe(some) == "eval_loss 2.0000 over 3 tokens of 2 samples"
+    none = eval_metrics(["b"], sums[1:])
+    assert none[EVAL_LOSS] is None and "bad record" in none[NO_LOSS]
+    assert describe(none).startswith("eval_loss none (no sample was evaluated: ")
+
+
+def test_two_eval_sources_given_one_name_are_refused_with_one_line(data, saved, tmp_path):
+    cfg = kit.compose_config(RECIPE, [f"model.pretrained={saved}", f"train.output_dir={tmp_path}",
+                                      f"data.eval_sources=[{{path:{data['held_a']},name:val}},"
+                                      f"{{path:{data['held_b']},name:val}}]"])
+    with pytest.raises(ConfigError, match=r"data.eval_sources\[1\]: name 'val' is already used by "
                                           r"data.eval_sources\[0\]"):
         evaluate(cfg, kit.load_recipe(RECIPE))
 

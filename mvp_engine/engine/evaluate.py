@@ -5,6 +5,12 @@ It is the trainer's evaluation (``evaluation.Evaluator``) without the training: 
 and loss, so a run's last ``eval_loss`` and this entry's on the saved model agree. It writes ``eval.json`` in its run
 directory (``train.output_dir``); on several processes every rank evaluates its packs and the sums are reduced
 (``train.context_parallel_size`` splits each row over a CP group, as in training).
+
+It evaluates a saved model only: ``model.pretrained`` is a ``save_pretrained`` folder or a LoRA adapter folder
+(``<run>/model``, which holds or names its base, ``lora.py``); without it the loss would be a random model's, a
+number that looks like a result. Nothing is fetched: the model hub is off while the model loads, so a name that is
+no local folder fails at once instead of retrying downloads, and an adapter folder whose base is not here stops
+with one line before that (``lora.check_adapter_base``).
 """
 
 from __future__ import annotations
@@ -12,14 +18,19 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
+import huggingface_hub.constants
 import hydra
 from omegaconf import DictConfig
 
 from mvp_engine.kit.mllm.data import MLLMRecordError, TooManyBadRecords
 
-from .config import CONF_DIR, ConfigError
+from .config import CONF_DIR, ConfigError, model_spec
+from .evaluation import describe
 from .launch import describe_processes, end_processes
+from .lora import check_adapter_base
 from .recipe import Recipe
 from .run import assemble
 
@@ -27,13 +38,28 @@ EVAL_FILE = "eval.json"
 JOB_NAME = "evaluate"  # Hydra's job name of this entry, so its log is evaluate.log (conf/<name>.yaml names "train")
 
 
+@contextmanager
+def hub_offline() -> Iterator[None]:
+    """Inside, transformers and peft treat the model hub as unreachable. ``HF_HUB_OFFLINE`` in the environment is read
+    once, when huggingface_hub is imported: its constant, which they consult, is set instead, and restored after."""
+    before = huggingface_hub.constants.HF_HUB_OFFLINE
+    huggingface_hub.constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        huggingface_hub.constants.HF_HUB_OFFLINE = before
+
+
 def evaluate(cfg: DictConfig, recipe: Recipe) -> dict:
-    """Evaluate ``model`` (``model.pretrained``, else the config's random initialisation) on ``data.eval_sources``;
-    returns what ``eval.json`` holds."""
-    run = assemble(cfg, recipe, "eval")
+    """Evaluate the saved model ``model.pretrained`` on ``data.eval_sources``; returns what ``eval.json`` holds."""
+    pretrained = model_spec(cfg.model).pretrained
+    if not pretrained:
+        raise ConfigError("model.pretrained is not set: name the saved model to evaluate (model.pretrained=<run "
+                          "dir>/model); a randomly initialised model's eval loss means nothing")
+    check_adapter_base(pretrained)
+    with hub_offline():
+        run = assemble(cfg, recipe, "eval")
     specs, accelerator, train = run.specs, run.accelerator, run.specs.train
-    if not specs.model.pretrained:
-        print("model.pretrained is not set: evaluating the randomly initialised model", file=sys.stderr)
     if accelerator.is_main_process:
         print(f"{describe_processes(accelerator)}; attention {specs.attention} "
               f"({'packed' if run.packed else 'unpacked'})")
@@ -48,8 +74,7 @@ def evaluate(cfg: DictConfig, recipe: Recipe) -> dict:
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / EVAL_FILE).write_text(json.dumps(result, indent=2))
-        print(f"eval_loss {result['eval_loss']:.6f} over {result['eval_tokens']} tokens of "
-              f"{result['eval_samples']} samples; written to {output_dir / EVAL_FILE}")
+        print(f"{describe(result, digits=6)}; written to {output_dir / EVAL_FILE}")
     return result
 
 

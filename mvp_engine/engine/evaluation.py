@@ -5,6 +5,10 @@ record order, nothing dropped without being counted), split over the ranks as tr
 token-weighted mean over the whole source: every rank sums the token losses and the supervised-token counts of its
 packs, the sums are reduced, and only then divided, so the number does not depend on how the tokens were packed,
 on the world size or on the micro-batch.
+
+No number stands for nothing evaluated: a source whose every record is left out (overlong, bad) stops the run or
+the evaluation before any model runs, in one line naming the source and the reasons; where the samples planned all
+turn out bad when decoded, the loss is None with its reason (``eval_loss_reason``), never 0.
 """
 
 from __future__ import annotations
@@ -21,12 +25,14 @@ from tqdm.auto import tqdm
 
 from mvp_engine.kit.mllm.data import BadRecord, MLLMDataKit, MLLMSampleEncoder, RecordLedger
 
-from .config import RunSpecs
+from .config import ConfigError, RunSpecs
 from .loss import weighted_token_loss
 from .parallel import ParallelLayout
 from .train_step import TrainStep
 
 EVAL_LOSS = "eval_loss"
+NO_LOSS = "eval_loss_reason"  # beside an eval_loss of None: why nothing was evaluated
+NOTHING_DECODED = "no sample was evaluated: every sample planned was a bad record when decoded (see records)"
 
 
 @dataclass
@@ -48,6 +54,15 @@ class EvalSet:
             report.add(BadRecord(**{key: value for key, value in bad.items() if key != "source"}))
         report.check(None, scope=f"data.eval_sources: {self.name}")
 
+    def check_something_left(self) -> None:
+        """A source with no record left to evaluate stops here, naming why, instead of reporting a loss of 0."""
+        ledger = self.dataset.epoch_ledger(epoch=0)
+        left_out = ledger.dropped + ledger.bad
+        if left_out.total() >= ledger.records_read:
+            raise ConfigError(f"data.eval_sources: {self.name}: none of its {ledger.records_read} records can be "
+                              f"evaluated, by reason {dict(left_out)}: raise data.max_seq_len (overlong), fix the "
+                              f"records (bad), or leave the source out")
+
 
 def build_eval_sets(specs: RunSpecs, encoder: MLLMSampleEncoder, rank: int, world_size: int) -> list[EvalSet]:
     """Every ``data.eval_sources`` entry as a dataset of its own, planned now (measuring every record, so a bad
@@ -59,6 +74,7 @@ def build_eval_sets(specs: RunSpecs, encoder: MLLMSampleEncoder, rank: int, worl
         dataset.plan(0)
         eval_set = EvalSet(source.name, dataset)
         eval_set.check_bad_records()
+        eval_set.check_something_left()
         sets.append(eval_set)
     return sets
 
@@ -131,13 +147,7 @@ class Evaluator:
         return self._metrics(sums), self._records(sums, faults)
 
     def _metrics(self, sums: torch.Tensor) -> dict:
-        total = sums.sum(0)
-        metrics = {EVAL_LOSS: float(total[0] / total[1].clamp(min=1e-12)), "eval_tokens": int(total[1]),
-                   "eval_samples": int(total[2]), "eval_packs": int(total[3])}
-        if len(self.sets) > 1:
-            for eval_set, row in zip(self.sets, sums):
-                metrics[f"{EVAL_LOSS}/{eval_set.name}"] = float(row[0] / row[1].clamp(min=1e-12))
-        return metrics
+        return eval_metrics([s.name for s in self.sets], sums)
 
     def _records(self, sums: torch.Tensor, faults: list[Counter]) -> dict:
         """Each source's ledger: the plan's drops, the bad records found measuring it and, from every rank, those
@@ -152,6 +162,31 @@ class Evaluator:
             entry["samples_evaluated"] = entry.pop("samples_trained")
             records[eval_set.name] = entry
         return records
+
+
+def eval_metrics(names: list[str], sums: torch.Tensor) -> dict:
+    """The metrics of per-source sums (weighted loss, supervised tokens, samples, packs): a loss is None where no
+    supervised token was evaluated, with the reason beside the overall one."""
+    total = sums.sum(0)
+    metrics = {EVAL_LOSS: _mean(total), "eval_tokens": int(total[1]), "eval_samples": int(total[2]),
+               "eval_packs": int(total[3])}
+    if metrics[EVAL_LOSS] is None:
+        metrics[NO_LOSS] = NOTHING_DECODED
+    if len(names) > 1:
+        for name, row in zip(names, sums):
+            metrics[f"{EVAL_LOSS}/{name}"] = _mean(row)
+    return metrics
+
+
+def _mean(row: torch.Tensor) -> float | None:
+    return float(row[0] / row[1]) if row[1] > 0 else None
+
+
+def describe(metrics: dict, digits: int = 4) -> str:
+    """An evaluation's console line: its loss, or why there is none, and what it covered."""
+    loss = metrics[EVAL_LOSS]
+    said = f"{EVAL_LOSS} {loss:.{digits}f}" if loss is not None else f"{EVAL_LOSS} none ({metrics[NO_LOSS]})"
+    return f"{said} over {metrics['eval_tokens']} tokens of {metrics['eval_samples']} samples"
 
 
 def build_evaluator(specs: RunSpecs, accelerator: Accelerator, encoder: MLLMSampleEncoder, collator,

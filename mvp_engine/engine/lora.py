@@ -15,10 +15,17 @@ The final ``model/`` folder is saved from the gathered state dict into a fresh c
 weights where it is ``pretrained``), so one path serves one process, DDP and FSDP2: peft's ``save_pretrained``
 writes the adapter (``adapter_config.json``, ``adapter_model.safetensors``), and ``merge_on_save`` adds
 ``model/merged``, peft's ``merge_and_unload`` saved with ``save_pretrained`` (what ``model.pretrained=`` loads).
+
+An adapter folder holds its base, so ``model.pretrained=<run>/model`` loads base plus adapters offline: a
+``pretrained`` base is named by its absolute path (``base_model_name_or_path``); a fresh (seeded, random) base, which
+no path names, is saved beside the adapters (``config.json``, ``model.safetensors``), the layout transformers'
+``from_pretrained`` loads as a local model with its adapter. Without either, peft would name no base and transformers
+would look for one on the model hub.
 """
 
 from __future__ import annotations
 
+import json
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +40,8 @@ from .config import ConfigError, LoraSpec, _to_object
 from .participation import _matches
 
 MERGED = "merged"  # model/merged: the merged save_pretrained model
+ADAPTER_CONFIG = "adapter_config.json"  # peft's: what makes a folder an adapter folder
+BASE_CONFIG = "config.json"  # a saved model's: beside the adapters, the base they were trained on
 
 
 def lora_spec(model_cfg) -> LoraSpec:
@@ -106,7 +115,12 @@ def save_adapters(build: Callable[[], torch.nn.Module], spec: LoraSpec, state_di
     folders written. ``build`` makes the recipe's model (a ``pretrained`` one without its weights)."""
     with pretrained_without_weights():
         base = build()
+    pretrained = base.name_or_path  # the folder a pretrained base came from; "" for a fresh init
+    if not pretrained:
+        # the seeded init the run trained on (LoRA leaves the base frozen): no path names it, so it goes along
+        base.save_pretrained(directory)
     peft_model = _peft_model(base, lora_config(base, spec))
+    peft_model.peft_config["default"].base_model_name_or_path = str(Path(pretrained).resolve()) if pretrained else None
     peft_model.base_model.model.load_state_dict(state_dict, assign=True)
     peft_model.save_pretrained(directory)
     if not spec.merge_on_save:
@@ -114,3 +128,20 @@ def save_adapters(build: Callable[[], torch.nn.Module], spec: LoraSpec, state_di
     # safe_merge writes each merged weight into a new tensor: the loaded ones are the caller's (assign=True)
     peft_model.merge_and_unload(safe_merge=True).save_pretrained(directory / MERGED)
     return [directory, directory / MERGED]
+
+
+def check_adapter_base(directory: str | Path) -> None:
+    """``model.pretrained=<adapter folder>``: its base must be on this machine, saved beside the adapters or at the
+    folder its config names, else transformers would look for it on the model hub. One line naming the folder and
+    what to do; nothing for a folder that is not an adapter folder."""
+    folder = Path(directory)
+    if not (folder / ADAPTER_CONFIG).is_file() or (folder / BASE_CONFIG).is_file():
+        return
+    base = json.loads((folder / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    if not base:
+        raise ConfigError(f"model.pretrained={folder}: the adapter folder holds no base model and its "
+                          f"{ADAPTER_CONFIG} names none (saved before adapters carried their base): evaluate "
+                          f"{folder / MERGED} if the run saved one (model.lora.merge_on_save=true), or retrain")
+    if not Path(base).is_dir():
+        raise ConfigError(f"model.pretrained={folder}: the adapters' base {base} (base_model_name_or_path in "
+                          f"{ADAPTER_CONFIG}) is not a folder on this machine: put the base model there")

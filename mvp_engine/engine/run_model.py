@@ -29,8 +29,8 @@ def prepare_model(recipe: Recipe, model_cfg: DictConfig, spec: ModelSpec, attent
     - ``train``: built with ``attention`` (``without_weights``: a pretrained model from its config alone, parameters
       on the meta device, for the ranks that receive FSDP2 shards from rank 0), adapters added before freezing
       (which then sees them as ordinary layers), then frozen;
-    - ``eval``: the model as it is saved (a merged LoRA folder loads as a plain model), no adapters, nothing frozen
-      (no report);
+    - ``eval``: the model as it is saved (a merged LoRA folder loads as a plain model, an adapter folder as its base
+      with the saved adapters), no adapters added, nothing frozen (no report);
     - ``plan``: on the meta device, no weights (a pretrained folder's config only), adapters and freezing as in
       training: what the cost model reads.
 

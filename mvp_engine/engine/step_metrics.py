@@ -11,6 +11,8 @@ from tqdm.auto import tqdm
 
 from mvp_engine.kit.mllm.data import CostProfile, TokenAccounting
 
+from .evaluation import describe
+
 # metrics.jsonl values that depend on the wall clock: the only ones a rerun (or a resume) may not reproduce
 WALL_CLOCK_METRICS = ("tokens_per_s", "tflops_per_s", "mfu", "compute_ms", "barrier_wait_ms")
 
@@ -105,8 +107,7 @@ class StepLog:
         if self.metrics is None:
             return
         self._line(record)
-        self.progress.write(f"step {record['step']}/{self.total_steps} eval_loss {record['eval_loss']:.4f} over "
-                            f"{record['eval_tokens']} tokens of {record['eval_samples']} samples")
+        self.progress.write(f"step {record['step']}/{self.total_steps} {describe(record)}")
 
     def write(self, record: dict, counts: TokenAccounting) -> None:
         if self.metrics is None:
