@@ -70,6 +70,16 @@ def test_records_appended_to_a_source_or_another_data_set_is_refused(data, tmp_p
     assert "data source 'mixed' changed (records appended or rewritten)" in refusal(saved, identity(data))
 
 
+def test_data_staged_again_as_a_faithful_copy_still_resumes(data, tmp_path):
+    """``rsync -a`` / ``cp -p`` onto the same path keeps size, mtime and bytes but not ctime: the length cache measures
+    again (it cannot risk a stale length), while the run is the same run and resumes."""
+    before = identity(data)
+    copy = tmp_path / "staged.jsonl"
+    shutil.copy2(data, copy)
+    shutil.copy2(copy, data)
+    assert identity(data) == before
+
+
 def test_the_mixture_and_the_plan_settings_are_part_of_the_run(data, tmp_path):
     saved = checkpoint(tmp_path, identity(data))
     line = refusal(saved, identity(data, f"data.sources=[{{path:{data},repeat:2}}]", "packing.strategy=bfd",

@@ -7,9 +7,10 @@ number of epochs (the schedule's total) or another data set train something else
 
 The identity is every setting of the run's validated specs (deny by default: a setting added later is covered
 without a word here), less :data:`ELASTIC`, the settings that leave the training math alone; plus the recipe, each
-source by name with its path and content fingerprint (the one the length cache keys on: ``store.file_identity``),
-and the model's folders by path and content. World size, micro-batch and accumulation are checked as a split of
-the same global batch by ``RunState.check_resume``, not here.
+source by name with its path and content fingerprint (``store.content_identity``: what a faithful copy keeps, so
+data staged again with ``rsync -a`` still resumes), and the model's folders by path and content. World size,
+micro-batch and accumulation are checked as a split of the same global batch by ``RunState.check_resume``, not
+here.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from mvp_engine.kit.mllm.data import MLLMDataSpec
-from mvp_engine.kit.mllm.data.store import digest, file_identity
+from mvp_engine.kit.mllm.data.store import content_identity, digest
 
 from .config import ConfigError, RunSpecs
 
@@ -122,14 +123,14 @@ def _sources(entries, data: MLLMDataSpec) -> list[dict]:
 
 
 def _content(path: str) -> str | None:
-    """The length cache's identity of a file (``store.file_identity``); of every file under a folder (a saved
-    data set, a model folder); None for a name that is no path (a hub name: the name is all there is)."""
+    """A file's :func:`content_identity`; of every file under a folder (a saved data set, a model folder), by name
+    relative to it; None for a name that is no path (a hub name: the name is all there is)."""
     if os.path.isfile(path):
-        return digest(file_identity(path))
+        return digest(content_identity(path))
     if not os.path.isdir(path):
         return None
     files = sorted(Path(root) / name for root, _, names in os.walk(path) for name in names)
-    return digest([file_identity(p) for p in files])
+    return digest([[str(p.relative_to(path)), content_identity(p)] for p in files])
 
 
 def _show(value: Any) -> str:

@@ -57,8 +57,8 @@ EDGE_BYTES = 64 * 1024  # bytes of each end of a file hashed into its identity
 
 
 def file_identity(path: str | os.PathLike) -> list:
-    """What says a file is unchanged: its absolute path, size, modification and status-change times (ns) and a hash
-    of its first and last ``EDGE_BYTES`` (the whole of a small file).
+    """What says a file is unchanged: its absolute path, its :func:`content_identity` and its status-change time
+    (ns).
 
     Size and mtime alone miss a file rewritten at the same size with its mtime kept (``cp -p``, ``rsync -a``, tar
     extraction, ``touch -r``), which then trained the lengths measured for the old content. Every such rewrite
@@ -66,13 +66,20 @@ def file_identity(path: str | os.PathLike) -> list:
     FUSE and object-store mounts). The inode is left out: it changes when such a mount is mounted again, which would
     measure a whole data set again for nothing. A metadata change (``chmod``) also moves the ctime: the price is one
     measure, never a stale length."""
+    return [os.path.abspath(path), *content_identity(path), os.stat(path).st_ctime_ns]
+
+
+def content_identity(path: str | os.PathLike) -> list:
+    """What a faithful copy of a file keeps (``rsync -a``, ``cp -p``, staging to a node's disk): its size, its
+    modification time (ns) and a hash of its first and last ``EDGE_BYTES`` (the whole of a small file). A run's
+    resume check keys on this, where a stale length cannot happen but a spurious refusal would block the user."""
     stat = os.stat(path)
     with open(path, "rb") as handle:
         edges = hashlib.sha256(handle.read(EDGE_BYTES))
         if stat.st_size > 2 * EDGE_BYTES:
             handle.seek(-EDGE_BYTES, os.SEEK_END)
         edges.update(handle.read(EDGE_BYTES))
-    return [os.path.abspath(path), stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, edges.hexdigest()[:24]]
+    return [stat.st_size, stat.st_mtime_ns, edges.hexdigest()[:24]]
 
 
 def source_identity(path: str | os.PathLike) -> str:
