@@ -206,7 +206,9 @@ class Checkpointer:
             if final.exists():
                 shutil.rmtree(final)
             partial.rename(final)
-            for old in checkpoint_dirs(self.root.parent)[:-self.keep_last]:
+            # the one just written is always kept, whatever step numbers the directory holds besides it
+            others = [path for path in checkpoint_dirs(self.root.parent) if path != final]
+            for old in others[:max(0, len(others) - (self.keep_last - 1))]:
                 shutil.rmtree(old)
         self.accelerator.wait_for_everyone()
         return final

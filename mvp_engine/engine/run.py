@@ -43,6 +43,7 @@ from .parallel import ParallelLayout, build_layout, parallelize, plan_layout, ro
 from .participation import ParameterReport, media_kinds
 from .recipe import Recipe
 from .run_identity import check_identity, run_identity
+from .run_guards import claim_run_dir, refuse_without_steps
 from .run_model import PURPOSES, prepare_model
 from .train_step import TrainStep
 
@@ -138,6 +139,8 @@ def _assemble(cfg: DictConfig, recipe: Recipe, specs: RunSpecs, purpose: str) ->
     processor = recipe.build_processor(cfg.model)
     encoder = recipe.build_encoder(processor)
     # FSDP2 from a pretrained folder: rank 0 alone reads the weights, the other ranks build on the meta device and
+    if training:
+        claim_run_dir(output_dir, train.resume_from, resume_from)
     # receive their shards in parallelize
     weights_from_rank0 = training and train.sharding == "fsdp2" and bool(specs.model.pretrained)
     model, parameters = prepare_model(recipe, cfg.model, specs.model, specs.attention, purpose,
@@ -158,6 +161,7 @@ def _assemble(cfg: DictConfig, recipe: Recipe, specs: RunSpecs, purpose: str) ->
     run.evaluator = build_evaluator(specs, accelerator, encoder, run.collator, run.step, layout)
     run.model = parallelize(model, layout, train, recipe, accelerator if training else None, weights_from_rank0)
     return run
+        refuse_without_steps(run.dataset, run.total_steps)
 
 
 def _start(specs: RunSpecs, training: bool) -> tuple[Accelerator, Path]:

@@ -65,11 +65,18 @@ class Progress:
     sources: dict[str, SourceTally] = field(default_factory=dict)  # by source name (``summary.json["sources"]``)
     steps_this_session: int = 0
     stopped_by: str | None = None
+    effective_before: int = 0  # the effective tokens of the steps a resumed run trained before this session
 
     @classmethod
     def from_state(cls, state: RunState) -> Progress:
-        return cls(state, state.accounting(), [RecordLedger.from_dict(e) for e in state.epochs],
-                   {name: SourceTally.from_dict(values) for name, values in state.sources.items()})
+        totals = state.accounting()
+        return cls(state, totals, [RecordLedger.from_dict(e) for e in state.epochs],
+                   {name: SourceTally.from_dict(values) for name, values in state.sources.items()},
+                   effective_before=totals.effective)
+
+    @property
+    def effective_this_session(self) -> int:
+        return self.totals.effective - self.effective_before
 
     def start_epoch(self, ledger: RecordLedger, sources: dict[str, SourceTally]) -> None:
         """Drops are counted once, when an epoch starts; so are each source's draws, drops and bad records."""
@@ -239,6 +246,10 @@ class Trainer:
             if self.accelerator.is_main_process:
                 self.files.list_dropped_records(self.dataset, epoch=epoch)
         epoch_steps = self._epoch_steps(epoch)
+        if epoch_steps == 0:  # a mixture's draw can leave one epoch without a pack: nothing to train in it
+            session.log.note(f"epoch {epoch} has no optimizer step (no pack): skipped")
+            state.epoch, state.epoch_steps_done = epoch + 1, 0
+            return
         rank_packs_done = state.epoch_steps_done * train.gradient_accumulation_steps * train.micro_batch_size
         for group in step_groups(self._loader(epoch, rank_packs_done), train.gradient_accumulation_steps):
             # one collective at every step boundary, before the step: a stop signal on any rank, and the samples
@@ -252,6 +263,9 @@ class Trainer:
                 self._evaluate(session, epoch)
             if train.save_every_steps and state.step % train.save_every_steps == 0:
                 session.log.note(f"checkpoint: {session.checkpointer.save(state)}")
+        if state.epoch == epoch:  # the loader ran out before the plan's last step: never loop on an epoch
+            raise RuntimeError(f"epoch {epoch} ended after {state.epoch_steps_done} of its {epoch_steps} planned "
+                               "optimizer steps: the data loader gave fewer packs than the plan holds")
 
     def _epoch_steps(self, epoch: int) -> int:
         train = self.specs.train
@@ -331,9 +345,9 @@ class Trainer:
         return {source.name: row for source, row in zip(self.dataset.sources, rows, strict=True)}
 
     def _step_boundary(self, group: list[dict], preemption: PreemptionWatch, progress: Progress) -> str | None:
-        """Agree across ranks, before a step: "SIGTERM" when any rank got one; decoding faults of the step's packs
-        are gathered, counted (in the epoch's ledger and by source) and reported, and stop every rank together (one
-        line) under ``on_bad_record=error`` or past ``data.max_bad_fraction``."""
+        """Agree across ranks, before a step: the stop signal's name when any rank got one (SIGTERM, SIGINT);
+        decoding faults of the step's packs are gathered, counted (in the epoch's ledger and by source) and reported,
+        and stop every rank together (one line) under ``on_bad_record=error`` or past ``data.max_bad_fraction``."""
         local_bad = [bad for batch in group for bad in batch.pop("bad_records", ())]
         if not self.layout.counts_rows:  # the CP group's ranks decoded the same packs: its first rank reports them
             local_bad = []
@@ -353,7 +367,7 @@ class Trainer:
                       f"({dict(Counter(b.reason for b in new))}; first: {new[0].message}): listed in "
                       f"{self.bad_records_path}")
             self.bad_records.check(self.bad_records_path)  # the same verdict on every rank: all stop together
-        return "SIGTERM" if stop else None
+        return preemption.reason if stop else None
 
     # --- the end ---------------------------------------------------------------------------------------------------
 
@@ -377,7 +391,8 @@ class Trainer:
             "resumed_from": None if self.resume_from is None else str(self.resume_from),
             "parameters": self.parts.parameters.to_dict(),
             "seconds": seconds,
-            "effective_tokens_per_s": totals.effective / seconds if seconds else 0.0,
+            # this session's tokens over this session's seconds: a resumed run's earlier steps were not timed here
+            "effective_tokens_per_s": progress.effective_this_session / seconds if seconds else 0.0,
             "loss_first": head and sum(head) / len(head),
             "loss_last": tail and sum(tail) / len(tail),
             "losses": losses,
@@ -396,16 +411,17 @@ class Trainer:
         if not self.accelerator.is_main_process:
             return
         model_dir = self.output_dir / "model"
-        lora = self.specs.model.lora
-        if lora.enabled:  # the adapter folder (and model/merged), from the gathered state dict
-            saved = save_adapters(lambda: self.recipe.build_model(self.cfg.model, self.specs.attention), lora,
-                                  state_dict, model_dir)
-        else:
-            with own_class(self.accelerator.unwrap_model(model)) as unwrapped:
-                unwrapped.save_pretrained(model_dir, state_dict=state_dict)
-            saved = [model_dir]
-        for directory in saved:
-            self.processor.save_pretrained(directory)
+        with self.files.written_aside(model_dir) as partial:
+            lora = self.specs.model.lora
+            if lora.enabled:  # the adapter folder (and model/merged), from the gathered state dict
+                saved = save_adapters(lambda: self.recipe.build_model(self.cfg.model, self.specs.attention), lora,
+                                      state_dict, partial)
+            else:
+                with own_class(self.accelerator.unwrap_model(model)) as unwrapped:
+                    unwrapped.save_pretrained(partial, state_dict=state_dict)
+                saved = [partial]
+            for directory in saved:
+                self.processor.save_pretrained(directory)
         self.files.write_summary(summary)
         print(f"summary: steps {summary['actual_steps']} (estimated {summary['estimated_steps']}), loss "
               f"{summary['loss_first']:.4f} -> {summary['loss_last']:.4f}, effective tokens/s "
