@@ -156,13 +156,25 @@ def test_with_demo_data_fills_only_empty_sources_of_an_enabled_demo(tmp_path: Pa
     demo = [f"demo.out_dir={tmp_path / 'demo'}", "demo.num_samples=12"]
     cfg = kit.compose_config("llava", demo)
     filled = with_demo_data(cfg)
-    assert list(filled.data.sources) == [str(tmp_path / "demo" / JSONL_NAME)]
+    assert list(filled.data.sources) == [str(tmp_path / "demo" / "12_seed0" / JSONL_NAME)]
     assert list(cfg.data.sources) == []  # a copy: the caller's config is left as it was
     assert len(list(read_records(filled.data.sources[0]))) == 12
     named = kit.compose_config("llava", [*demo, f"data.sources=[{filled.data.sources[0]}]"])
     assert with_demo_data(named) is named
     disabled = kit.compose_config("llava", ["demo.enabled=false", f"demo.out_dir={tmp_path / 'off'}"])
     assert with_demo_data(disabled) is disabled and not (tmp_path / "off").exists()
+
+
+def test_demo_sets_of_other_settings_live_apart_and_leave_each_other_alone(tmp_path: Path) -> None:
+    """Two runs with different ``demo.num_samples`` once shared ``demo.out_dir`` and rewrote each other's set (one
+    could read the other's half-written files)."""
+    sources = {n: with_demo_data(kit.compose_config("llava", [f"demo.out_dir={tmp_path}", f"demo.num_samples={n}"]))
+               .data.sources[0] for n in (8, 9)}
+    first = snapshot(Path(sources[8]).parent)
+    assert with_demo_data(kit.compose_config("llava", [f"demo.out_dir={tmp_path}", "demo.num_samples=9",
+                                                        "demo.seed=1"])).data.sources[0] not in sources.values()
+    assert snapshot(Path(sources[8]).parent) == first
+    assert {n: len(list(read_records(path))) for n, path in sources.items()} == {8: 8, 9: 9}
 
 
 def test_building_a_trainer_writes_no_file_and_without_sources_it_says_what_to_do(tmp_path: Path) -> None:

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from mvp_engine.engine.config import ConfigError, resolve_run_specs
+from mvp_engine.engine.config import ConfigError, DemoSpec, resolve_run_specs
 from mvp_engine.engine.demo import JSONL_NAME, with_demo_data, write_demo_dataset
+from mvp_engine.engine.demo import demo_dir as demo_folder
 from mvp_engine.engine.plan_report import compute_pack_report, compute_step_estimate
 from mvp_engine.engine.report_config import ReportSpec, report_spec, resolve_world_size
 from mvp_engine.engine.testing import compose_config, load_recipe, packing_overrides
@@ -36,7 +37,7 @@ MAX_SEQ_LEN = 512
 def demo_dir(tmp_path_factory) -> Path:
     """One demo data set for the whole module (written once; every config points at it)."""
     out = tmp_path_factory.mktemp("demo")
-    write_demo_dataset(out, DEMO_SAMPLES, 0)
+    write_demo_dataset(demo_folder(DemoSpec(out_dir=str(out), num_samples=DEMO_SAMPLES)), DEMO_SAMPLES, 0)
     return out
 
 
@@ -54,7 +55,7 @@ def reference_dataset(cfg, rank: int = 0, world_size: int = 1):
     """The dataset built straight through the kit, not through the tools' helpers."""
     recipe = load_recipe(RECIPE_NAME)
     specs = resolve_run_specs(cfg, recipe.attention_backends)
-    specs.data.sources = [str(Path(specs.demo.out_dir) / JSONL_NAME)]
+    specs.data.sources = [str(demo_folder(specs.demo) / JSONL_NAME)]
     encoder = recipe.build_encoder(recipe.build_processor(cfg.model))
     return MLLMDataKit.build_dataset(specs.data, encoder, rank=rank, world_size=world_size,
                                      drop_last=specs.train.drop_last), specs.train

@@ -18,16 +18,19 @@ from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from transformers import SchedulerType
 
 from mvp_engine.kit.mllm.data import MLLMDataSpec, MLLMPackingAssembler, MLLMPackingSpec, MLLMRecordError, source_kind
 from mvp_engine.packing import ATTENTION_BACKENDS, BACKENDS, SDPA_VARLEN
 
 from . import run_dir  # noqa: F401  (registers the ${run_stamp:...} resolver the configs use)
+from .config_errors import omegaconf_error_line
 from .loss import REDUCTIONS
 from .trackers import check_report_to
 
 AUTO_ATTENTION = "auto"  # resolved per machine and run kind by resolve_attention
+AUTO_THREADS = "auto"  # train.num_threads: this process's share of the cores (launch.threads_for)
 MIXED_PRECISION = ("no", "bf16", "fp16")
 SHARDINGS = ("none", "fsdp2")  # train.sharding (mvp_engine.engine.sharding)
 # The Hydra config root: conf/<recipe>.yaml is each recipe's primary config.
@@ -69,6 +72,7 @@ class TrainSpec:
     context_parallel_size: int = 1  # CP ranks sharing each packed row (Ulysses; context_parallel.py); DP = world / it
     eval_every_steps: int = 0  # evaluate data.eval_sources every that many optimizer steps; 0: at the end only
     report_to: list[str] = field(default_factory=list)  # trackers: tensorboard, wandb, mlflow (trackers.py)
+    num_threads: int | str = AUTO_THREADS  # torch's CPU threads per process; auto: launch.threads_for
 
     def __post_init__(self) -> None:
         for name in ("epochs", "micro_batch_size", "gradient_accumulation_steps", "log_every", "keep_last",
@@ -109,6 +113,9 @@ class TrainSpec:
             raise ConfigError(f"train.peak_tflops={self.peak_tflops!r} is invalid: allowed null or a float > 0 "
                               "(TFLOP/s of one device)")
         check_report_to(list(self.report_to))
+        threads = self.num_threads
+        if threads != AUTO_THREADS and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+            raise ConfigError(f"train.num_threads={threads!r} is invalid: allowed {AUTO_THREADS!r} or an int >= 1")
         if self.resume_from not in (None, "auto") and not Path(self.resume_from).is_dir():
             raise ConfigError(f"train.resume_from={self.resume_from!r} is invalid: allowed null, 'auto' or a "
                               "checkpoint directory")
@@ -116,8 +123,8 @@ class TrainSpec:
 
 @dataclass
 class DemoSpec:
-    """The embedded demo data set (``mvp_engine.engine.demo``), written to ``out_dir`` by an entry point's
-    ``with_demo_data`` when ``data.sources`` is empty."""
+    """The embedded demo data set (``mvp_engine.engine.demo``), written by an entry point's ``with_demo_data`` when
+    ``data.sources`` is empty, into a folder of ``out_dir`` named by the other settings (``demo.demo_dir``)."""
 
     enabled: bool = True
     out_dir: str = ".cache/demo"
@@ -306,7 +313,10 @@ def _to_object(node: DictConfig, schema: type, key: str):
         return OmegaConf.to_object(merged)
     except ConfigError:
         raise
-    except Exception as err:  # OmegaConf validation errors and the specs' own ValueErrors
+    except OmegaConfBaseException as err:  # a value of the wrong type or an unknown key: named in full
+        line = omegaconf_error_line(err, key)
+        raise ConfigError(line or f"{key}: {str(err).splitlines()[0]}") from None
+    except Exception as err:  # the specs' own ValueErrors
         message = str(err).splitlines()[0]
         if not message.startswith(key):
             message = f"{key}: {message}"
@@ -316,6 +326,11 @@ def _to_object(node: DictConfig, schema: type, key: str):
 def demo_spec(cfg: DictConfig) -> DemoSpec:
     """The validated ``demo.*`` of a composed config."""
     return _to_object(cfg.demo, DemoSpec, "demo")
+
+
+def train_spec(cfg: DictConfig) -> TrainSpec:
+    """The validated ``train.*`` of a composed config."""
+    return _to_object(cfg.train, TrainSpec, "train")
 
 
 def resolve_run_specs(cfg: DictConfig, supported_attention: tuple[str, ...]) -> RunSpecs:
@@ -341,7 +356,7 @@ def resolve_run_specs(cfg: DictConfig, supported_attention: tuple[str, ...]) -> 
             source_kind(source.path)
         except MLLMRecordError as err:
             raise ConfigError(f"data.eval_sources: {err}") from None
-    train = _to_object(cfg.train, TrainSpec, "train")
+    train = train_spec(cfg)
     attention = resolve_attention(str(cfg.attention.implementation), supported_attention, packed=packing is not None)
     check_attention(attention, supported_attention)
     return RunSpecs(data=data, demo=demo, train=train, attention=attention, model=model_spec(cfg.get("model")))

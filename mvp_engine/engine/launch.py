@@ -10,15 +10,17 @@ box and NCCL on a GPU box, with no extra environment variable.
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration
 
-from .config import ConfigError
+from .config import AUTO_THREADS, ConfigError
 
 
 def fsdp_requested() -> bool:
@@ -58,7 +60,36 @@ def end_processes() -> None:
 
 
 def describe_processes(accelerator: Accelerator) -> str:
-    """The line every run prints at start: how many processes really train, and over what."""
+    """The line every run prints at start: how many processes really train, over what, on how many CPU threads
+    each (a loaded machine's cores shared by too many threads made a CPU run 5-7x slower than one thread)."""
     backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else "none (single process)"
     return (f"world_size {accelerator.num_processes}, process-group backend {backend}, "
-            f"distributed_type {accelerator.distributed_type.value}, device {accelerator.device}")
+            f"distributed_type {accelerator.distributed_type.value}, device {accelerator.device}, "
+            f"torch threads {torch.get_num_threads()}")
+
+
+def threads_for(setting: int | str) -> int:
+    """``train.num_threads`` as a count. ``auto``: this process's share of the cores it may run on (those cores
+    divided by the processes a launcher started on this machine, at least 1), never more than torch already uses:
+    ``OMP_NUM_THREADS`` (torchrun sets 1 for several processes) or a caller's ``torch.set_num_threads`` stays."""
+    if setting != AUTO_THREADS:
+        return int(setting)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    share = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return min(torch.get_num_threads(), share)
+
+
+def use_threads(setting: int | str) -> None:
+    """Run torch's CPU ops on ``threads_for(setting)`` threads; the start line (``describe_processes``) says how
+    many."""
+    torch.set_num_threads(threads_for(setting))
+
+
+def report_to_launcher(line: str) -> None:
+    """Write the line a rank stops with where torchrun reads a failed rank's error (``TORCHELASTIC_ERROR_FILE``,
+    the file its ``@record`` writes): the failure summary torchrun prints last, after every rank's output, then ends
+    with this line instead of a link to its docs. Outside torchrun, nothing."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        error = {"message": {"message": line, "extraInfo": {"timestamp": str(int(time.time()))}}}
+        Path(path).write_text(json.dumps(error))

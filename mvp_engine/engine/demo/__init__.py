@@ -32,12 +32,13 @@ H.264 in MP4 (PyAV, one encoder thread, so the bytes are the same on every machi
 each. The rest of the mix keeps its kinds; the draws differ from the image-only set of the same seed.
 
 Only an entry point writes it: :func:`with_demo_data` (what ``run_recipe`` and the tools call before anything
-is built) fills an empty ``data.sources`` with it; building a ``Trainer`` writes no file.
+is built) fills an empty ``data.sources`` with it, in a folder of ``demo.out_dir`` named by its settings
+(:func:`demo_dir`: ``.cache/demo/600_seed0``); building a ``Trainer`` writes no file.
 
 CLI: ``python -m mvp_engine.engine.demo --out DIR [--num-samples N] [--seed S] [--videos]``.
 """
 
-from .entry import with_demo_data
+from .entry import demo_dir, with_demo_data
 from .writer import JSONL_NAME, MANIFEST_NAME, demo_kind_counts, write_demo_dataset
 
-__all__ = ["JSONL_NAME", "MANIFEST_NAME", "demo_kind_counts", "with_demo_data", "write_demo_dataset"]
+__all__ = ["JSONL_NAME", "MANIFEST_NAME", "demo_dir", "demo_kind_counts", "with_demo_data", "write_demo_dataset"]

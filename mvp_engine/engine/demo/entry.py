@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 from omegaconf import DictConfig
 
-from ..config import demo_spec
+from ..config import DemoSpec, demo_spec
 from .writer import write_demo_dataset
 
 
@@ -20,5 +21,12 @@ def with_demo_data(cfg: DictConfig) -> DictConfig:
     if not demo.enabled:
         return cfg
     cfg = copy.deepcopy(cfg)
-    cfg.data.sources = [str(write_demo_dataset(demo.out_dir, demo.num_samples, demo.seed, videos=demo.videos))]
+    cfg.data.sources = [str(write_demo_dataset(demo_dir(demo), demo.num_samples, demo.seed, videos=demo.videos))]
     return cfg
+
+
+def demo_dir(demo: DemoSpec) -> Path:
+    """The folder of the demo set these settings make, under ``demo.out_dir``: one per settings, so runs with
+    different ``demo.num_samples`` (or seed, or videos) neither share one folder nor rewrite each other's files
+    while one of them reads them."""
+    return Path(demo.out_dir) / f"{demo.num_samples}_seed{demo.seed}{'_videos' if demo.videos else ''}"
