@@ -148,6 +148,23 @@ def test_sigint_stops_at_the_next_step_boundary_with_a_checkpoint(data, tmp_path
     assert "resume with train.resume_from=auto" in result.stdout
 
 
+def test_sigint_before_the_first_step_stops_with_one_line(data, tmp_path, monkeypatch):
+    """Before the loop's handler is in place (the data still being measured) Ctrl-C ended in a traceback."""
+    import mvp_engine.engine.trainer as trainer
+
+    assemble = trainer.assemble
+
+    def assemble_then_ctrl_c(*args, **kwargs):
+        run = assemble(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGINT)
+        return run
+
+    monkeypatch.setattr(trainer, "assemble", assemble_then_ctrl_c)
+    result = kit.train(RECIPE, tmp_path, base(data), check=False, timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert last_line(result).startswith("stopped by SIGINT at once (before the first step"), result.stderr
+
+
 def test_a_second_sigint_interrupts_at_once():
     with PreemptionWatch() as watch:
         os.kill(os.getpid(), signal.SIGINT)

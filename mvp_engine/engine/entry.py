@@ -63,6 +63,9 @@ def _run_or_stop_line(cfg: DictConfig, recipe: Recipe) -> dict | str:
         return f"config error: {err}"
     except (MLLMRecordError, TooManyBadRecords) as err:  # while planning, or while decoding (all ranks at one step)
         return f"data error: {err}"
+    except KeyboardInterrupt:  # Ctrl-C before the loop's handler is in place, or pressed a second time
+        return ("stopped by SIGINT at once (before the first step, or Ctrl-C pressed twice): nothing since the last "
+                "checkpoint is saved; train.resume_from=auto continues from it, if the run wrote one")
 
 
 def hydra_main(recipe: Recipe):
