@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from mvp_engine.engine.checkpoint import CHECKPOINTS, Checkpointer, RunState, resolve_resume
+from mvp_engine.engine.checkpoint_folder import check_checkpoint_folder
 from mvp_engine.engine.config import ConfigError
 
 
@@ -82,4 +83,4 @@ def test_a_checkpoint_without_dcp_metadata_is_refused_with_one_line(tmp_path):
     (old / "trainer_state.json").write_text("{}")
     (old / "model.safetensors").write_bytes(b"")
     with pytest.raises(ConfigError, match=r"has no \.metadata: it was written by accelerate's save_state"):
-        resolve_resume("auto", tmp_path)
+        check_checkpoint_folder(resolve_resume("auto", tmp_path))

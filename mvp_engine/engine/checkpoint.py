@@ -19,7 +19,8 @@ seeded generator).
 
 Atomicity: every rank writes into ``checkpoints/.step_XXXXXXXX.partial``; once all have finished, the main process
 renames it to ``checkpoints/step_XXXXXXXX`` and only then deletes checkpoints beyond ``keep_last``. A directory
-without the ``.partial`` prefix is therefore always complete.
+without the ``.partial`` prefix is therefore always complete; one damaged since, or saved from another model, is
+refused in one line before a run is built on it (``checkpoint_folder.py``).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from .config import ConfigError
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.json"
 DCP_METADATA = ".metadata"
+RNG_FILE = "rng_{rank}.pt"  # each rank's RNG states, beside the DCP files
 _COMPLETE = re.compile(r"^step_(\d{8})$")
 
 
@@ -127,10 +129,6 @@ def resolve_resume(resume_from: str | None, run_dir: Path) -> Path | None:
         if not (path / STATE_FILE).is_file():
             raise ConfigError(f"train.resume_from={resume_from!r} is not a complete checkpoint (no {STATE_FILE}); "
                               f"complete ones are {CHECKPOINTS}/step_XXXXXXXX directories of a run")
-    if path is not None and not (path / DCP_METADATA).is_file():
-        raise ConfigError(f"train.resume_from: {path} has no {DCP_METADATA}: it was written by accelerate's "
-                          "save_state, before checkpoints moved to torch.distributed.checkpoint; resume it with the "
-                          "version that wrote it")
     return path
 
 
@@ -161,14 +159,19 @@ def _one_process_is_meant():
         yield
 
 
+def state_dict_options(trainable_only: bool) -> StateDictOptions:
+    """What a checkpoint holds of the model: everything, or with ``trainable_only`` (LoRA) the trainable tensors, the
+    frozen base being rebuilt from the config as it was on the first start."""
+    return StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
+
+
 class Checkpointer:
     """Saves and loads the run's model, optimizer, scheduler, RNG and :class:`RunState`, atomically."""
 
     def __init__(self, accelerator: Accelerator, run_dir: Path, keep_last: int, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, scheduler, trainable_only: bool = False):
         self.accelerator = accelerator
-        # trainable_only (LoRA): the frozen base is left out, rebuilt from the config as it was on the first start
-        self.options = StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
+        self.options = state_dict_options(trainable_only)
         self.root = run_dir / CHECKPOINTS
         self.keep_last = keep_last
         self.model = model
@@ -198,7 +201,7 @@ class Checkpointer:
         self.accelerator.wait_for_everyone()
         with _one_process_is_meant():
             dcp.save(self._state(), storage_writer=dcp.FileSystemWriter(partial))
-        torch.save(_rng_states(), partial / f"rng_{rank}.pt")
+        torch.save(_rng_states(), partial / RNG_FILE.format(rank=rank))
         if main:
             (partial / STATE_FILE).write_text(json.dumps(asdict(state)))
         self.accelerator.wait_for_everyone()  # every rank's files are written before the rename publishes them
@@ -223,6 +226,6 @@ class Checkpointer:
         self.scheduler.load_state_dict(loaded["scheduler"])
         if "scaler" in loaded:
             self.accelerator.scaler.load_state_dict(loaded["scaler"])
-        own = checkpoint / f"rng_{self.accelerator.process_index}.pt"
-        _set_rng_states(torch.load(own if own.is_file() else checkpoint / "rng_0.pt", weights_only=False))
+        own = checkpoint / RNG_FILE.format(rank=self.accelerator.process_index)
+        _set_rng_states(torch.load(own if own.is_file() else checkpoint / RNG_FILE.format(rank=0), weights_only=False))
         return load_run_state(checkpoint)

@@ -39,6 +39,9 @@ class Recipe:
     ``parallelize(model, layout, train)`` (optional) is the family's own parallel plan (a tensor or expert split),
     applied by ``mvp_engine.engine.parallel.parallelize`` after recomputation and context-parallel attention and
     before FSDP2 / DDP; it returns the model. None: the generic plan alone.
+
+    ``model_types`` are the ``config.json`` ``model_type`` values a ``model.pretrained`` folder of this recipe may
+    have (``model_folder.check_model_folder`` refuses another family's folder before it loads); empty: any.
     """
 
     name: str
@@ -53,6 +56,7 @@ class Recipe:
     attention_backends: tuple[str, ...] = ("eager", "sdpa", "flash_attention_2")
     cost_profile: Callable[[Any, list[str]], Any] | None = None
     parallelize: Callable[[Any, Any, Any], Any] | None = None
+    model_types: tuple[str, ...] = ()
 
     @classmethod
     def from_modules(cls, name: str, *, model: ModuleType, packed: ModuleType,
@@ -60,8 +64,8 @@ class Recipe:
         """The recipe of a ``recipes/<name>`` laid out the usual way: ``model.build_processor`` /
         ``model.build_model``, ``packed.prepare_packed`` / ``packed.prepare_padded`` /
         ``packed.ATTENTION_BACKENDS``, ``model.dummy_media`` / ``model.unreachable_parameters`` (optional), the
-        processor's ``pad_token_id``, ``model.cost_profile`` / ``model.parallelize`` (optional), and the encoder
-        class."""
+        processor's ``pad_token_id``, ``model.cost_profile`` / ``model.parallelize`` / ``model.MODEL_TYPES``
+        (optional), and the encoder class."""
         return cls(
             name=name,
             build_processor=model.build_processor,
@@ -75,6 +79,7 @@ class Recipe:
             attention_backends=tuple(packed.ATTENTION_BACKENDS),
             cost_profile=getattr(model, "cost_profile", None),
             parallelize=getattr(model, "parallelize", None),
+            model_types=tuple(getattr(model, "MODEL_TYPES", ())),
         )
 
 

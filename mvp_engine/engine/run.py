@@ -35,15 +35,17 @@ from mvp_engine.kit.mllm.data import (
 from mvp_engine.kit.mllm.data.media import IMAGES, MediaKind
 
 from .checkpoint import load_run_state, resolve_resume
+from .checkpoint_folder import check_checkpoint_fits, check_checkpoint_folder
 from .config import ConfigError, RunSpecs, TrainSpec, resolve_run_specs
 from .evaluation import Evaluator, build_evaluator
 from .flops import recipe_cost_profile
 from .launch import build_accelerator
+from .model_folder import check_model_folder
 from .parallel import ParallelLayout, build_layout, parallelize, plan_layout, row_multiple
 from .participation import ParameterReport, media_kinds
 from .recipe import Recipe
-from .run_identity import check_identity, run_identity
 from .run_guards import claim_run_dir, refuse_without_steps
+from .run_identity import check_identity, run_identity
 from .run_model import PURPOSES, prepare_model
 from .train_step import TrainStep
 
@@ -106,6 +108,8 @@ def assemble(cfg: DictConfig, recipe: Recipe, purpose: str = "train", world_size
     if purpose not in PURPOSES:
         raise ValueError(f"purpose={purpose!r} is invalid: allowed one of {list(PURPOSES)}")
     specs = resolve_run_specs(cfg, recipe.attention_backends)
+    if specs.model.pretrained:  # before anything reads it: transformers fails late, and with advice about other things
+        check_model_folder(specs.model.pretrained, recipe.model_types)
     if purpose == "plan":
         return _plan(cfg, recipe, specs, world_size)
     return _assemble(cfg, recipe, specs, purpose)
@@ -136,15 +140,17 @@ def _assemble(cfg: DictConfig, recipe: Recipe, specs: RunSpecs, purpose: str) ->
     layout = build_layout(accelerator, train.context_parallel_size, specs.data.packing is not None)
     identity = run_identity(recipe.name, specs) if training else None
     resume_from = _resume_point(train, output_dir, layout, identity) if training else None
+    if training:
+        claim_run_dir(output_dir, train.resume_from, resume_from)
     processor = recipe.build_processor(cfg.model)
     encoder = recipe.build_encoder(processor)
     # FSDP2 from a pretrained folder: rank 0 alone reads the weights, the other ranks build on the meta device and
-    if training:
-        claim_run_dir(output_dir, train.resume_from, resume_from)
     # receive their shards in parallelize
     weights_from_rank0 = training and train.sharding == "fsdp2" and bool(specs.model.pretrained)
     model, parameters = prepare_model(recipe, cfg.model, specs.model, specs.attention, purpose,
                                       without_weights=weights_from_rank0 and not accelerator.is_main_process)
+    if resume_from is not None:  # before the data set is built for a model the checkpoint cannot fill
+        check_checkpoint_fits(resume_from, model, specs.model.lora.enabled)
     if not training:
         model = model.to(accelerator.device)
     run = Run(recipe, cfg, specs, purpose, layout, processor, encoder, model, parameters, accelerator, output_dir,
@@ -158,10 +164,10 @@ def _assemble(cfg: DictConfig, recipe: Recipe, specs: RunSpecs, purpose: str) ->
                          run.dummy_media, train, run.media_kinds, layout.shard)
     if training:
         run.total_steps = run.dataset.estimate_total_steps(train.epochs)
+        refuse_without_steps(run.dataset, run.total_steps)
     run.evaluator = build_evaluator(specs, accelerator, encoder, run.collator, run.step, layout)
     run.model = parallelize(model, layout, train, recipe, accelerator if training else None, weights_from_rank0)
     return run
-        refuse_without_steps(run.dataset, run.total_steps)
 
 
 def _start(specs: RunSpecs, training: bool) -> tuple[Accelerator, Path]:
@@ -184,6 +190,7 @@ def _resume_point(train: TrainSpec, output_dir: Path, layout: ParallelLayout, id
     before anything is built."""
     resume_from = resolve_resume(train.resume_from, output_dir)
     if resume_from is not None:
+        check_checkpoint_folder(resume_from)
         state = load_run_state(resume_from)
         state.check_resume(*step_shape(train, layout), train.drop_last, source=resume_from)
         warning = check_identity(state.identity, identity, resume_from)

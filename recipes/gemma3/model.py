@@ -30,6 +30,8 @@ from recipes.gemma.tokens import BOI_TOKEN, EOI_TOKEN, IMAGE_SOFT_TOKEN
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TOKENIZER_DIR = REPO_ROOT / "assets" / "tokenizers" / "gemma3"
+# the config.json model_type of a model.pretrained folder this recipe trains (Recipe.model_types)
+MODEL_TYPES = (Gemma3Config.model_type,)
 VISION = flops.VisionParts(tower=("vision_tower",), projector=("multi_modal_projector",))
 
 

@@ -37,6 +37,8 @@ from .tokens import BOI_TOKEN, EOI_TOKEN, IMAGE_SOFT_TOKEN
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TOKENIZER_DIR = REPO_ROOT / "assets" / "tokenizers" / "gemma4"
+# the config.json model_type of a model.pretrained folder this recipe trains (Recipe.model_types)
+MODEL_TYPES = (Gemma4Config.model_type,)
 TYPE_FIELD = "mm_token_type_ids"
 PATCH_POSITIONS = "image_position_ids"  # per image, each patch's (x, y); -1 on the padding patches
 IMAGE_TYPE = 1  # transformers' create_mm_token_type_ids: 1 = image soft token

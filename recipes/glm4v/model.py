@@ -34,6 +34,8 @@ from .video import Glm4vVideoProcessor
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TOKENIZER_DIR = REPO_ROOT / "assets" / "tokenizers" / "glm4v"
+# the config.json model_type of a model.pretrained folder this recipe trains (Recipe.model_types)
+MODEL_TYPES = (Glm4vConfig.model_type,)
 VIDEO_SETTINGS = ("min_pixels", "max_pixels", "fps", "max_duration")  # model.video_<key>
 
 

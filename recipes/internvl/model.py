@@ -35,6 +35,8 @@ from .tokens import CONTEXT_IMAGE_TOKEN, IM_END_TOKEN, PAD_TOKEN
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TOKENIZER_DIR = REPO_ROOT / "assets" / "tokenizers" / "internvl"
+# the config.json model_type of a model.pretrained folder this recipe trains (Recipe.model_types)
+MODEL_TYPES = (InternVLConfig.model_type,)
 VISION = flops.VisionParts(tower=("vision_tower",), projector=("multi_modal_projector",))
 
 

@@ -33,6 +33,8 @@ from .tokens import IMAGE_TOKEN
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TOKENIZER_DIR = REPO_ROOT / "assets" / "tokenizers" / "llava"
+# the config.json model_type of a model.pretrained folder this recipe trains (Recipe.model_types)
+MODEL_TYPES = (LlavaConfig.model_type,)
 
 VISION = flops.VisionParts(tower=("vision_tower",), projector=("multi_modal_projector",))
 

@@ -28,6 +28,8 @@ from recipes.qwen import (
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TOKENIZER_DIR = REPO_ROOT / "assets" / "tokenizers" / "qwen2_5_vl"
+# the config.json model_type of a model.pretrained folder this recipe trains (Recipe.model_types)
+MODEL_TYPES = (Qwen2_5_VLConfig.model_type,)
 
 # Small pixel bounds: every image becomes 4..64 merged tokens (one merged token covers 28x28 pixels).
 DEFAULT_IMAGE_PIXELS = (28 * 28 * 4, 28 * 28 * 64)

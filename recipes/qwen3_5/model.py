@@ -35,6 +35,8 @@ from recipes.qwen import (
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TOKENIZER_DIR = REPO_ROOT / "assets" / "tokenizers" / "qwen3_5"
+# the config.json model_type of a model.pretrained folder this recipe trains (Recipe.model_types)
+MODEL_TYPES = (Qwen3_5Config.model_type,)
 
 # One merged token covers 32x32 pixels (of 2 frames in a clip): every image becomes 4..64 merged tokens, every clip
 # 4..64 (clip-wide bounds, as Qwen3.5's video processor counts), 2 frames a second, 4..16 frames.

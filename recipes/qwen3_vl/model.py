@@ -29,6 +29,8 @@ from recipes.qwen import (
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TOKENIZER_DIR = REPO_ROOT / "assets" / "tokenizers" / "qwen3_vl"
+# the config.json model_type of a model.pretrained folder this recipe trains (Recipe.model_types)
+MODEL_TYPES = (Qwen3VLConfig.model_type,)
 
 IMAGE_SETTINGS = {"patch_size": 16, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
 # Small pixel bounds: every image becomes 4..64 merged tokens (one merged token covers 32x32 pixels).

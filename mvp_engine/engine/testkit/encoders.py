@@ -22,6 +22,7 @@ from mvp_engine.kit.mllm.data import IGNORE_INDEX, MLLMMediaHandler, MLLMRecord,
 from mvp_engine.kit.mllm.data.images import load_image
 
 from ..config import CONF_DIR
+from ..model_folder import check_model_folder
 from .equivalence import collate_rows
 from .records import assistant, demo_like_records, image, text, user, varied_records, varied_video_records, video_record
 from .structure import compose_config, load_recipe
@@ -226,7 +227,8 @@ def _one_by_one_logits(recipe, model, processor, sample) -> torch.Tensor:
 
 def check_save_load_round_trip(name: str, directory: Path) -> None:
     """``save_pretrained`` model + processor, reload through ``model.pretrained=<dir>``: same encoding, same logits
-    (a multi-image record, and a clip when the encoder takes video)."""
+    (a multi-image record, and a clip when the encoder takes video). The folder passes the engine's folder check,
+    under the ``model_type`` the recipe declares (``Recipe.model_types``)."""
     recipe = load_recipe(name)
     model_cfg = compose_config(name).model
     directory = Path(directory)
@@ -234,6 +236,8 @@ def check_save_load_round_trip(name: str, directory: Path) -> None:
     model = recipe.build_model(model_cfg, "sdpa").eval()
     model.save_pretrained(directory / "ckpt")
     processor.save_pretrained(directory / "ckpt")
+    assert recipe.model_types, f"recipes/{name}/model.py declares no MODEL_TYPES (its folders' config.json model_type)"
+    check_model_folder(directory / "ckpt", recipe.model_types)
     loaded_processor = recipe.build_processor({"pretrained": str(directory / "ckpt")})
     loaded = recipe.build_model({"pretrained": str(directory / "ckpt")}, "sdpa").eval()
     encoder, loaded_encoder = recipe.build_encoder(processor), recipe.build_encoder(loaded_processor)
