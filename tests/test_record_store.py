@@ -334,3 +334,29 @@ def test_an_image_outside_the_image_root_is_a_counted_bad_record_of_the_run(tmp_
     assert dataset.metas.usable.tolist() == [True, False]
     assert [(b.origin, b.record_id, b.reason) for b in dataset.bad_records.records.values()] == [
         (f"{path}:2", "up", "image_outside_root")]
+
+
+def test_data_media_roots_admit_a_linked_media_folder_and_a_change_of_them_measures_again(tmp_path):
+    """A verdict of ``image_outside_root`` is cached with the lengths: a run that adds the folder to
+    ``data.media_roots`` must read the record again, not train without it."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    Image.new("RGB", (8, 8)).save(shared / "a.png")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "coco").symlink_to(shared, target_is_directory=True)
+    path = fake_lines(tmp_path / "data" / "data.jsonl", [10])
+    linked = {"id": "linked", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "20 1"}, {"type": "image", "path": "coco/a.png"}]},
+        {"role": "assistant", "content": "ok"}]}
+    with path.open("a") as handle:
+        handle.write(json.dumps(linked) + "\n")
+    common = {"sources": [str(path)], "cache_dir": str(tmp_path / "cache"), "measure_workers": 1}
+    refused = MLLMDataKit.build_dataset(MLLMDataSpec(**common), CachedFake())
+    assert refused.metas.usable.tolist() == [True, False]
+    (bad,) = refused.bad_records.records.values()
+    assert bad.reason == "image_outside_root" and "add its folder to data.media_roots" in bad.message
+    admitted = MLLMDataSpec(**common, media_roots=[str(shared)])
+    assert fake_lengths(admitted) == ([10, 20], 2)  # measured again under the new roots
+    assert fake_lengths(admitted) == ([10, 20], 0)  # and cached under them
+    with pytest.raises(ValueError, match=r"^data.media_roots=\[''\] is invalid: allowed a list of folders"):
+        MLLMDataSpec(media_roots=[""])

@@ -545,7 +545,7 @@ def test_media_paths_that_leave_the_image_root_and_the_source_folder_are_bad_rec
     reasons = {case: (str(e).split(": ", 1)[0], e.reason) for case, e in zip(cases, seen, strict=True)}
     assert reasons == {case: (f"{path}:{line}", "video_outside_root" if case == "video" else "image_outside_root")
                        for line, case in enumerate(cases, start=2)}
-    assert all("outside the image root and the source's folder" in str(e) for e in seen)
+    assert all("outside the image root, the source's folder and data.media_roots" in str(e) for e in seen)
 
 
 def test_media_may_lie_under_the_image_root_or_the_source_folder_through_symlinks_that_stay_inside(
@@ -560,6 +560,25 @@ def test_media_may_lie_under_the_image_root_or_the_source_folder_through_symlink
     with pytest.raises(MLLMRecordError) as info:  # the source's folder is no licence for the image root's parent
         parse_record(llava(("human", "<image>"), ("gpt", "x"), image="../outside/secret.png"), "r:1", images,
                      source_dir=data_dir)
+    assert info.value.reason == "image_outside_root"
+
+
+def test_a_media_folder_linked_to_shared_storage_is_refused_until_data_media_roots_holds_it(data_dir, outside) -> None:
+    """The common LLaVA layout: ``playground/data/coco`` links to shared storage, so every image really lies
+    outside the image root; the person running the data says the storage is theirs with ``data.media_roots``."""
+    (data_dir / "coco").symlink_to(outside, target_is_directory=True)
+    path = write_jsonl(data_dir, [llava(("human", "<image>"), ("gpt", "x"), image="coco/secret.png")])
+    err = read_failure(path)
+    assert err.reason == "image_outside_root"
+    assert str(err).endswith(f"outside the image root, the source's folder and data.media_roots "
+                             f"({os.path.realpath(data_dir)}); "
+                             "not opened: add its folder to data.media_roots if it is yours")
+    for root in (outside, data_dir / "coco"):  # a root counts by its real path, as the media do
+        (record,) = read_records(path, media_roots=[str(root)])
+        assert record.image_paths == [str(data_dir / "coco" / "secret.png")]
+    with pytest.raises(MLLMRecordError) as info:  # a media root opens its own folder, not its parent
+        parse_record(llava(("human", "<image>"), ("gpt", "x"), image=str(outside.parent / "beside.png")), "r:1",
+                     data_dir, media_roots=[str(outside)])
     assert info.value.reason == "image_outside_root"
 
 

@@ -489,7 +489,8 @@ class MLLMDataKit:
         records = [record for source in data_spec.source_entries()
                    for record in read_records(source.path, source.image_root or data_spec.image_root, on_bad=on_bad,
                                               allow_leading_assistant=data_spec.allow_leading_assistant,
-                                              max_record_bytes=data_spec.max_record_bytes)]
+                                              max_record_bytes=data_spec.max_record_bytes,
+                                              media_roots=data_spec.media_roots)]
         if bad_records is not None:
             bad_records.records_read = len(records) + bad_records.count
         return records
@@ -503,7 +504,7 @@ class MLLMDataKit:
         return RecordStore.open([e.path for e in entries], data_spec.cache_dir or default_cache_dir(),
                                 data_spec.image_root, data_spec.allow_leading_assistant,
                                 image_roots=[e.image_root for e in entries],
-                                max_record_bytes=data_spec.max_record_bytes)
+                                max_record_bytes=data_spec.max_record_bytes, media_roots=data_spec.media_roots)
 
     @staticmethod
     def build_dataset(data_spec: MLLMDataSpec, encoder: MLLMSampleEncoder, rank: int = 0, world_size: int = 1,

@@ -9,8 +9,8 @@ parallel processes (``datasets.Dataset.map(num_proc=...)``) and its result is ca
   the file's ends; every file of a saved data set),
 * the encoder's fingerprint (:meth:`fingerprint` of the encoder: tokenizer, chat template, image-processor
   settings, and a ``measure_version`` the encoder bumps when its counting changes),
-* the read settings (``image_root``, ``allow_leading_assistant``, ``max_record_bytes``) and this module's
-  ``MEASURE_FORMAT``;
+* the read settings (``image_root``, ``media_roots``, ``allow_leading_assistant``, ``max_record_bytes``: a record
+  refused under one is read again under another) and this module's ``MEASURE_FORMAT``;
 
 and checked against the media files' identity (size and modification time of every image, video or frame folder
 a record names, missing ones included): a second start reads the cache, any change measures the source again. An
@@ -139,7 +139,7 @@ def measure_store(store: RecordStore, encoder: MLLMSampleEncoder, report: BadRec
             with tempfile.TemporaryDirectory() as scratch:
                 columns = _columns(_run_map(table, measure, Path(scratch), workers))
         else:
-            key = digest([MEASURE_FORMAT, source_fingerprint, fingerprint, rows.image_root,
+            key = digest([MEASURE_FORMAT, source_fingerprint, fingerprint, rows.image_root, sorted(rows.media_roots),
                           store.allow_leading_assistant, store.max_record_bytes])
             columns = _columns(_cached_map(table, measure, Path(cache_dir or default_cache_dir()) / "measure" / key,
                                            workers))
@@ -169,7 +169,7 @@ class _Measure:
                 if isinstance(raw, MLLMRecordError):
                     raise raw
                 record = parse_record(raw, origin, self.rows.image_root, self.allow_leading_assistant,
-                                      source_dir=self.rows.source_dir)
+                                      source_dir=self.rows.source_dir, media_roots=self.rows.media_roots)
                 media, stage = record.media_paths, "measure"
                 meta = self.encoder.measure(record)
                 values, verdict = tuple(getattr(meta, name) for name in META_COLUMNS), (None,) * 4

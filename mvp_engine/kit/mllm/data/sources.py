@@ -42,11 +42,13 @@ Normalisation (what every encoder can rely on):
   made absolute; every image file, video file or frame folder must exist. A video part keeps its ``"fps"`` (a
   positive number) when the record gives one.
 * Media stay inside the data: a path, relative or absolute, whose real location (``..`` and every symlink
-  resolved) is neither under ``image_root`` nor under the source's own folder is a bad record
-  (``image_outside_root`` / ``video_outside_root``), never opened. A record is text written by whoever made the data
-  set, so ``../../etc/passwd`` or ``/home/me/.ssh/id_rsa`` must not become a training image; a symlink is resolved
-  too, because a downloaded archive can carry one. Media kept elsewhere need an ``image_root`` (per source, or
-  ``data.image_root``) that holds them.
+  resolved) is under none of ``image_root``, the source's own folder and the ``media_roots`` (``data.media_roots``,
+  for every source) is a bad record (``image_outside_root`` / ``video_outside_root``), never opened. A record is
+  text written by whoever made the data set, so ``../../etc/passwd`` or ``/home/me/.ssh/id_rsa`` must not become a
+  training image; a symlink is resolved too, because a downloaded archive can carry one. Media kept elsewhere need
+  an ``image_root`` (per source, or ``data.image_root``) that holds them, or their real folder in ``media_roots``:
+  the common LLaVA layout links ``playground/data/coco`` to shared storage, where every image really lies outside
+  the image root, and only the person running the training can say that storage is theirs.
 * ``record_id`` is the record's ``id`` (string or integer) or, without one, its origin.
 
 Every problem is an :class:`MLLMRecordError` whose message starts with the record's origin (``file:line``),
@@ -142,12 +144,13 @@ def read_records(
     allow_leading_assistant: bool = False,
     on_bad: Callable[[MLLMRecordError], None] | None = None,
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+    media_roots: tuple[str, ...] | list[str] = (),
 ) -> Iterator[MLLMRecord]:
     """Yield the records of a ``.json`` (list of records) or ``.jsonl`` (one per line) file, validated.
 
     Lazy for JSONL (one line at a time, so huge files stream); a ``.json`` file is parsed whole, as JSON
     requires. Blank JSONL lines are skipped. A bad record goes to ``on_bad`` and reading continues; without
-    ``on_bad`` it is raised.
+    ``on_bad`` it is raised. ``media_roots``: further folders media may lie in (see :func:`parse_record`).
     """
     path = Path(path)
     name = str(path)
@@ -168,7 +171,8 @@ def read_records(
         try:
             if isinstance(raw, MLLMRecordError):
                 raise raw
-            record = parse_record(raw, origin, root, allow_leading_assistant, source_dir=path.parent)
+            record = parse_record(raw, origin, root, allow_leading_assistant, source_dir=path.parent,
+                                  media_roots=media_roots)
         except MLLMRecordError as err:
             _bad(err, on_bad)
             continue
@@ -177,15 +181,16 @@ def read_records(
 
 def parse_record(
     raw: Any, origin: str, image_root: str | os.PathLike, allow_leading_assistant: bool = False,
-    source_dir: str | os.PathLike | None = None,
+    source_dir: str | os.PathLike | None = None, media_roots: tuple[str, ...] | list[str] = (),
 ) -> MLLMRecord:
     """Validate one decoded JSON value and normalise it to an :class:`MLLMRecord` (see module docstring).
 
-    Media paths resolve against ``image_root`` and must lie under it or under ``source_dir`` (the folder holding
-    the source; None: ``image_root`` alone). The error carries the record's ``id`` when it has a usable one, so a
-    report can name the record.
+    Media paths resolve against ``image_root`` and must lie under it, under ``source_dir`` (the folder holding
+    the source; None: ``image_root`` alone) or under one of ``media_roots`` (``data.media_roots``). The error
+    carries the record's ``id`` when it has a usable one, so a report can name the record.
     """
-    folders = (os.path.abspath(image_root), os.path.abspath(source_dir or image_root))
+    folders = (os.path.abspath(image_root), os.path.abspath(source_dir or image_root),
+               *map(os.path.abspath, media_roots))
     roots = _MediaRoots(folders[0], tuple(dict.fromkeys(map(_real_folder, folders))))
     try:
         return _parse_record(raw, origin, roots, allow_leading_assistant)
@@ -558,7 +563,7 @@ def _fps(value: Any, where: str) -> float | None:
 @dataclass(frozen=True)
 class _MediaRoots:
     """Where a record's media may come from: relative paths join ``base``; every path must really lie (symlinks
-    resolved) under one of ``allowed`` (real paths: the image root and the source's folder)."""
+    resolved) under one of ``allowed`` (real paths: the image root, the source's folder, ``data.media_roots``)."""
 
     base: str
     allowed: tuple[str, ...]
@@ -577,8 +582,9 @@ class _MediaRoots:
         path = os.path.abspath(os.path.join(self.base, value))
         real = os.path.realpath(path)
         if not any(os.path.commonpath([real, folder]) == folder for folder in self.allowed):
-            raise MLLMRecordError(f"{where}: {name} {value[:80]!r} leads to {real}, outside the image root and the "
-                                  f"source's folder ({', '.join(self.allowed)}); not opened", f"{name}_outside_root",
+            raise MLLMRecordError(f"{where}: {name} {value[:80]!r} leads to {real}, outside the image root, the "
+                                  f"source's folder and data.media_roots ({', '.join(self.allowed)}); not opened: "
+                                  "add its folder to data.media_roots if it is yours", f"{name}_outside_root",
                                   media_path=path)
         if not kind.exists(path):
             what = "image file" if kind is IMAGE else "video file or frame folder"
@@ -588,7 +594,7 @@ class _MediaRoots:
 
 @functools.lru_cache(maxsize=256)
 def _real_folder(folder: str) -> str:
-    """The real path of an absolute folder, once per process (every record of a source asks for the same two)."""
+    """The real path of an absolute folder, once per process (every record of a source asks for the same ones)."""
     return os.path.realpath(folder)
 
 

@@ -96,6 +96,8 @@ class MLLMDataSpec:
     measure_cache: bool = True  # reuse measured lengths while sources, media files and encoder are unchanged
     measure_workers: int = 0  # processes measuring records on a cold start; 0: one per CPU core
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES  # a larger JSON/JSONL record is a bad record, left unread
+    # folders (real paths: symlinks resolved) every source's media may lie in besides its image root and its folder
+    media_roots: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.sources, str):
@@ -122,6 +124,10 @@ class MLLMDataSpec:
                 self.max_record_bytes < 1:
             raise ValueError(f"data.max_record_bytes={self.max_record_bytes!r} is invalid: allowed an int >= 1 "
                              f"(bytes; default {DEFAULT_MAX_RECORD_BYTES})")
+        if isinstance(self.media_roots, str):
+            self.media_roots = [self.media_roots]
+        if not all(isinstance(root, str) and root for root in self.media_roots):
+            raise ValueError(f"data.media_roots={self.media_roots!r} is invalid: allowed a list of folders")
 
     def source_entries(self) -> list[MLLMSource]:
         """``sources`` as validated :class:`MLLMSource` entries (path, repeat, name, image_root)."""

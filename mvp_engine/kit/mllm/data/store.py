@@ -19,9 +19,10 @@ check asks it, so a path training could not open stops the run at once, as one l
 
 Rows of parquet and saved data sets are records in either accepted format (LLaVA ``conversations`` or OpenAI
 ``messages``), with image paths as strings. Relative image paths resolve against the source's own ``image_root`` (a
-``data.sources`` mapping), else ``data.image_root``, else the folder holding the source. Parsing and validation are
-the kit's :func:`parse_record`, run when a record is measured and again when it is encoded, so a store holds bytes,
-not Python objects.
+``data.sources`` mapping), else ``data.image_root``, else the folder holding the source; media may lie there, in the
+source's folder or under ``data.media_roots``. Parsing and validation are the kit's :func:`parse_record`, run when a
+record is measured and again when it is encoded, so a store holds bytes, not Python objects. A converted JSON file
+does not depend on the media settings (they decide verdicts, which the measure cache keys on).
 """
 
 from __future__ import annotations
@@ -102,12 +103,14 @@ def digest(value: Any) -> str:
 class SourceRows:
     """One source as a ``datasets.Dataset`` plus how its rows become raw records; picklable without the table, so
     ``datasets.map`` workers can take it. ``json_rows``: rows are ``(origin, raw JSON bytes, refused)``.
-    ``source_dir``: the folder holding the source, where media may lie besides ``image_root``."""
+    ``source_dir``: the folder holding the source, where media may lie besides ``image_root``; ``media_roots``: the
+    further folders they may lie in (``data.media_roots``, absolute)."""
 
     name: str
     image_root: str
     source_dir: str
     json_rows: bool
+    media_roots: tuple[str, ...] = ()
 
     def raw_records(self, batch: dict[str, list], indices: list[int]) -> Iterator[tuple[str, Any]]:
         """``(origin, decoded record or MLLMRecordError)`` per row of a ``datasets`` batch."""
@@ -131,7 +134,8 @@ class SourceRows:
                 raise raw
         else:
             origin, raw = f"{self.name}#{index + 1}", row
-        return parse_record(raw, origin, self.image_root, allow_leading_assistant, source_dir=self.source_dir)
+        return parse_record(raw, origin, self.image_root, allow_leading_assistant, source_dir=self.source_dir,
+                            media_roots=self.media_roots)
 
 
 def _json_row(origin: str, raw: bytes, refused: str | None) -> Any:
@@ -159,12 +163,15 @@ class RecordStore:
     @classmethod
     def open(cls, paths: list[str], cache_dir: str | os.PathLike, image_root: str | None = None,
              allow_leading_assistant: bool = False, image_roots: list[str | None] | None = None,
-             max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> RecordStore:
+             max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+             media_roots: tuple[str, ...] | list[str] = ()) -> RecordStore:
         """The sources of ``paths``; ``image_roots`` (one per path, None: ``image_root``) is each source's own root;
-        a JSON/JSONL record over ``max_record_bytes`` is a bad record (``record_too_large``) left unread."""
+        a JSON/JSONL record over ``max_record_bytes`` is a bad record (``record_too_large``) left unread;
+        ``media_roots`` are further folders every source's media may lie in."""
         cache = Path(cache_dir)
         roots = image_roots or [None] * len(paths)
-        return cls([_open_source(Path(path), cache, image_root if root is None else root, max_record_bytes)
+        media = tuple(dict.fromkeys(map(os.path.abspath, media_roots)))
+        return cls([_open_source(Path(path), cache, image_root if root is None else root, max_record_bytes, media)
                     for path, root in zip(paths, roots, strict=True)], allow_leading_assistant, max_record_bytes)
 
     def __len__(self) -> int:
@@ -232,8 +239,8 @@ def _saved_folder(path: Path) -> Path:
     return path / ("train" if "train" in splits else splits[0])
 
 
-def _open_source(path: Path, cache: Path, image_root: str | None,
-                 max_record_bytes: int) -> tuple[Any, SourceRows, str]:
+def _open_source(path: Path, cache: Path, image_root: str | None, max_record_bytes: int,
+                 media_roots: tuple[str, ...]) -> tuple[Any, SourceRows, str]:
     import datasets
 
     kind = source_kind(path)
@@ -242,12 +249,13 @@ def _open_source(path: Path, cache: Path, image_root: str | None,
     identity = source_identity(path)
     if kind == "saved":
         table = datasets.Dataset.load_from_disk(str(_saved_folder(path)))
-        return table, SourceRows(str(path), root, folder, json_rows=False), identity
+        return table, SourceRows(str(path), root, folder, json_rows=False, media_roots=media_roots), identity
     if kind == "parquet":
         table = datasets.Dataset.from_parquet(str(path), cache_dir=str(cache / "parquet"))
-        return table, SourceRows(str(path), root, folder, json_rows=False), identity
+        return table, SourceRows(str(path), root, folder, json_rows=False, media_roots=media_roots), identity
     arrow = _converted_json(path, cache / "records", identity, max_record_bytes)
-    return datasets.Dataset.from_file(str(arrow)), SourceRows(str(path), root, folder, json_rows=True), identity
+    rows = SourceRows(str(path), root, folder, json_rows=True, media_roots=media_roots)
+    return datasets.Dataset.from_file(str(arrow)), rows, identity
 
 
 def _converted_json(path: Path, cache: Path, identity: str, max_record_bytes: int) -> Path:
