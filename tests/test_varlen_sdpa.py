@@ -1,13 +1,23 @@
-"""sdpa_varlen: per-span causal sdpa equals the dense block-causal mask, and rejects what it cannot honour."""
+"""sdpa_varlen: per-span causal sdpa equals the dense block-causal mask, rejects what it cannot honour, and hands
+each grouped-query call to a kernel that takes it (K/V expanded where CUDA's flash kernel would refuse it)."""
 
 import types
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 
-from mvp_engine.packing import block_causal_mask, flash_varlen_kwargs
-from mvp_engine.packing.varlen_sdpa import sdpa_varlen_attention
+from mvp_engine.packing import (
+    block_causal_mask,
+    causal,
+    dense_mask,
+    flash_varlen_kwargs,
+    sliding_window,
+    span_masks,
+    varlen_sdpa,
+)
+from mvp_engine.packing.varlen_sdpa import gqa_arguments, sdpa_varlen_attention
 
 CAUSAL = types.SimpleNamespace(is_causal=True)
 
@@ -50,3 +60,67 @@ def test_refuses_left_padding_and_partial_spans():
         sdpa_varlen_attention(CAUSAL, q, k, v, None, cu_seq_lens_q=torch.tensor([0, 5, 20], dtype=torch.int32))
     with pytest.raises(ValueError, match="takes cu_seq_lens_q/k or a 2-D padding mask"):
         sdpa_varlen_attention(CAUSAL, q, k, v, torch.ones(2, 1, 12, 12, dtype=torch.bool))
+
+
+# (G, H, n, D) spans of 8 query heads over 2 K/V heads; ``CASES``: what each reaches on CUDA
+SPAN_MASK = torch.ones(16, 16, dtype=torch.bool).tril().triu(-3)  # a sliding window of 4
+
+
+def span_qkv(dtype=torch.float32, dim=64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(2, heads, 16, dim, generator=gen).to(dtype) for heads in (8, 2, 2))
+
+
+CASES = {  # name: (dtype, head_dim, mask, enable_gqa on CUDA)
+    "unmasked bf16": (torch.bfloat16, 64, None, True),
+    "masked span": (torch.bfloat16, 64, SPAN_MASK, False),
+    "fp32": (torch.float32, 64, None, False),
+    "head_dim 512": (torch.bfloat16, 512, None, False),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_gqa_arguments_hand_each_call_to_a_kernel_that_takes_it(case):
+    """On CUDA only flash takes enable_gqa (no mask, fp16/bf16, head_dim <= 256): everything else gets K/V expanded
+    to the query's heads, for the memory-efficient kernel; on CPU the fused kernel takes GQA as it is."""
+    dtype, dim, mask, fused_gqa = CASES[case]
+    q, k, v = span_qkv(dtype, dim)
+    key, value, gqa = gqa_arguments(q, k, v, mask, "cuda")
+    assert gqa == fused_gqa
+    assert key.shape[1] == value.shape[1] == (2 if fused_gqa else 8)
+    if not fused_gqa:  # the group's heads adjacent, as enable_gqa pairs query head h with K/V head h // 4
+        assert torch.equal(key[:, 4:8], k[:, 1:2].expand(-1, 4, -1, -1))
+    assert gqa_arguments(q, k, v, mask, "cpu") == (k, v, True)
+    assert SDPBackend(torch._fused_sdp_choice(q, k, v, mask, enable_gqa=True)) == SDPBackend.FLASH_ATTENTION
+    expanded = F.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), attn_mask=mask)
+    grouped = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert (expanded.float() - grouped.float()).abs().max().item() <= (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+def test_gqa_arguments_leave_equal_head_counts_alone():
+    q, k, v = span_qkv()
+    q = q[:, :2]
+    assert gqa_arguments(q, k, v, SPAN_MASK, "cuda") == (k, v, False)
+
+
+def test_sdpa_varlen_expands_kv_for_masked_spans_on_cuda(monkeypatch):
+    """Through the backend, with CUDA's choice: the plain causal spans keep enable_gqa, the windowed span gets K/V
+    expanded, and the output is the dense mask's."""
+    calls = []
+    real_sdpa, real_choice = F.scaled_dot_product_attention, gqa_arguments
+
+    def recording_sdpa(q, k, v, **kwargs):
+        calls.append((kwargs["attn_mask"] is not None, k.shape[1], kwargs["enable_gqa"]))
+        return real_sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(varlen_sdpa.F, "scaled_dot_product_attention", recording_sdpa)
+    monkeypatch.setattr(varlen_sdpa, "gqa_arguments", lambda q, k, v, mask, _: real_choice(q, k, v, mask, "cuda"))
+    segment_ids = torch.tensor([[0] * 3 + [1] * 9])
+    predicate = sliding_window(4) & causal()
+    q, k, v = (t.to(torch.bfloat16) for t in qkv(batch=1, heads=8, kv_heads=2, length=12, dim=16))
+    out, _ = sdpa_varlen_attention(CAUSAL, q, k, v, span_masks(segment_ids, predicate), sliding_window=4,
+                                   **flash_varlen_kwargs(segment_ids))
+    assert sorted(calls) == [(False, 2, True), (True, 8, False)]
+    expected = real_sdpa(q.float(), k.float().repeat_interleave(4, 1), v.float().repeat_interleave(4, 1),
+                         attn_mask=dense_mask(segment_ids, predicate)).transpose(1, 2)
+    assert (out.float() - expected).abs().max().item() <= 2e-2

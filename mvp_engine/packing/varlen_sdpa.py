@@ -11,6 +11,10 @@ small mask per span (``mask_forms.span_masks``); spans without one keep the fuse
 
 Without ``cu_seq_lens`` (the unpacked baseline) each row is one span, cut at the end of its 2-D padding mask
 (right padding, as the collator produces).
+
+Grouped-query models (fewer K/V heads than query heads) reach a fused kernel through :func:`gqa_arguments`: torch's
+``enable_gqa`` only where the kernel that would take the call supports it, K/V expanded to the query's heads
+elsewhere, so no span falls back to the math kernel and its n x n fp32 scores.
 """
 
 from __future__ import annotations
@@ -40,6 +44,40 @@ def _spans_from_padding_mask(attention_mask: torch.Tensor | None, batch: int, le
         start = row * length
         spans += [(start, start + n)] if n == length else [(start, start + n), (start + n, start + length)]
     return [(a, b) for a, b in spans if b > a]
+
+
+# what torch's CUDA flash kernel takes: its only fused kernel with GQA, as torch 2.13 documents enable_gqa
+CUDA_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+CUDA_FLASH_MAX_HEAD_DIM = 256
+
+
+def gqa_arguments(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                  device_type: str) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """``(key, value, enable_gqa)`` for ``F.scaled_dot_product_attention`` on (G, H, n, D) spans, chosen so that a
+    grouped-query call reaches a fused kernel, not the math kernel that materialises n x n fp32 scores.
+
+    On CUDA only the flash kernel takes ``enable_gqa``, and it refuses a mask, fp32 and head_dim > 256; a GQA call it
+    refuses lands on the math kernel. So, with fewer K/V heads than query heads:
+
+    - CUDA, no mask, fp16 / bf16, head_dim <= 256 (a plain causal span): K/V as they are, ``enable_gqa=True`` ->
+      flash, no copy of K/V;
+    - CUDA with a mask (a sliding-window or bidirectional-block span), fp32 (any span), or head_dim > 256: K/V
+      expanded to the query's heads (``repeat_interleave``, the group's heads adjacent as ``enable_gqa`` pairs them),
+      ``enable_gqa=False`` -> the memory-efficient kernel (masks, fp32 and head_dim 512 allowed), at the cost of a
+      (G, H, n, D) copy of K and V per span instead of (G, H, n, n) scores;
+    - any other device: K/V as they are, ``enable_gqa=True`` (torch 2.13's CPU flash kernel takes GQA with masks,
+      fp32 and head_dim 512 alike; expanding would only copy).
+
+    Equal head counts pass through unchanged with ``enable_gqa=False``."""
+    heads, kv_heads = query.shape[1], key.shape[1]
+    if kv_heads == heads:
+        return key, value, False
+    flash_takes_it = (mask is None and query.dtype in CUDA_FLASH_DTYPES
+                      and query.shape[-1] <= CUDA_FLASH_MAX_HEAD_DIM)
+    if device_type != "cuda" or flash_takes_it:
+        return key, value, True
+    groups = heads // kv_heads
+    return key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1), False
 
 
 def sdpa_varlen_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
@@ -81,8 +119,9 @@ def sdpa_varlen_attention(module, query, key, value, attention_mask, dropout: fl
         # kernel: 7.5x slower and +3 GiB on one 8 k span, measured), and equal-length spans share one call
         qs, ks, vs = (torch.stack([parts[i] for i in indices]) for parts in pieces)
         mask = masks[indices[0]]
+        ks, vs, gqa = gqa_arguments(qs, ks, vs, mask, qs.device.type)
         out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal and mask is None,
-                                             scale=scaling, dropout_p=dropout, enable_gqa=ks.shape[1] != qs.shape[1])
+                                             scale=scaling, dropout_p=dropout, enable_gqa=gqa)
         for i, part in zip(indices, out.unbind(0)):
             outputs[i] = part
     out = torch.cat(outputs, dim=1)
