@@ -17,7 +17,7 @@ import pytest
 import mvp_engine.engine.testing as kit
 from mvp_engine.engine.checkpoint import CHECKPOINTS, STATE_FILE, RunState, checkpoint_dirs, load_run_state
 from mvp_engine.engine.config import ConfigError, resolve_run_specs
-from mvp_engine.engine.run_identity import check_identity, run_identity
+from mvp_engine.engine.run_identity import check_identity, run_identity, setting_defaults
 
 RECIPE = "qwen2_vl"
 
@@ -95,6 +95,17 @@ def test_elastic_changes_keep_the_identity(data, tmp_path):
                        "train.gradient_accumulation_steps=2", f"train.output_dir={tmp_path / 'elsewhere'}",
                        "data.measure_workers=1", "data.cache_dir=" + str(tmp_path / "cache"))
     assert check_identity(load_run_state(saved).identity, elastic, saved) is None
+
+
+def test_a_setting_newer_than_the_checkpoint_counts_only_when_set_away_from_its_default(data, tmp_path):
+    """A version that adds a setting must still resume the checkpoints of the version before it."""
+    older = {key: value for key, value in identity(data).items() if key != "data.max_record_bytes"}
+    saved = checkpoint(tmp_path, older)
+    cfg = kit.compose_config(RECIPE, overrides(data))
+    defaults = setting_defaults(resolve_run_specs(cfg, kit.load_recipe(RECIPE).attention_backends))
+    assert check_identity(load_run_state(saved).identity, identity(data), saved, defaults) is None
+    line = refusal(saved, identity(data, "data.max_record_bytes=1024"))
+    assert "data.max_record_bytes unset -> 1024" in line
 
 
 def test_a_checkpoint_from_before_identities_resumes_with_a_warning(data, tmp_path):

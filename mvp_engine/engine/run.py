@@ -45,7 +45,7 @@ from .parallel import ParallelLayout, build_layout, parallelize, plan_layout, ro
 from .participation import ParameterReport, media_kinds
 from .recipe import Recipe
 from .run_guards import claim_run_dir, refuse_without_steps
-from .run_identity import check_identity, run_identity
+from .run_identity import check_identity, run_identity, setting_defaults
 from .run_model import PURPOSES, prepare_model
 from .train_step import TrainStep
 
@@ -139,7 +139,7 @@ def _assemble(cfg: DictConfig, recipe: Recipe, specs: RunSpecs, purpose: str) ->
     accelerator, output_dir = _start(specs, training)
     layout = build_layout(accelerator, train.context_parallel_size, specs.data.packing is not None)
     identity = run_identity(recipe.name, specs) if training else None
-    resume_from = _resume_point(train, output_dir, layout, identity) if training else None
+    resume_from = _resume_point(train, output_dir, layout, identity, setting_defaults(specs)) if training else None
     if training:
         claim_run_dir(output_dir, train.resume_from, resume_from)
     processor = recipe.build_processor(cfg.model)
@@ -185,15 +185,16 @@ def _start(specs: RunSpecs, training: bool) -> tuple[Accelerator, Path]:
     return accelerator, output_dir
 
 
-def _resume_point(train: TrainSpec, output_dir: Path, layout: ParallelLayout, identity: dict) -> Path | None:
+def _resume_point(train: TrainSpec, output_dir: Path, layout: ParallelLayout, identity: dict,
+                  defaults: dict) -> Path | None:
     """The checkpoint the run resumes from (``train.resume_from``), its split and its run's ``identity`` checked
-    before anything is built."""
+    (settings newer than the checkpoint compared with their ``defaults``) before anything is built."""
     resume_from = resolve_resume(train.resume_from, output_dir)
     if resume_from is not None:
         check_checkpoint_folder(resume_from)
         state = load_run_state(resume_from)
         state.check_resume(*step_shape(train, layout), train.drop_last, source=resume_from)
-        warning = check_identity(state.identity, identity, resume_from)
+        warning = check_identity(state.identity, identity, resume_from, defaults)
         if warning and layout.rank == 0:
             print(warning)
     return resume_from

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict
+from dataclasses import MISSING, asdict, fields
 from pathlib import Path
 from typing import Any
 
@@ -56,13 +56,25 @@ def run_identity(recipe: str, specs: RunSpecs) -> dict[str, Any]:
     return identity
 
 
-def check_identity(saved: dict | None, current: dict, checkpoint: Path) -> str | None:
+def setting_defaults(specs: RunSpecs) -> dict[str, Any]:
+    """Each setting's default, flattened as in :func:`run_identity`: a setting the checkpoint's version did not have
+    yet counts as unchanged while this run leaves it at its default."""
+    sections = {"train": specs.train, "model": specs.model, "data": specs.data, "packing": specs.data.packing}
+    return _flat({name: {f.name: f.default if f.default is not MISSING else f.default_factory()
+                         for f in fields(spec) if f.default is not MISSING or f.default_factory is not MISSING}
+                  for name, spec in sections.items() if spec is not None})
+
+
+def check_identity(saved: dict | None, current: dict, checkpoint: Path, defaults: dict | None = None) -> str | None:
     """Nothing when ``checkpoint`` was saved by this run; one ``ConfigError`` line naming every change otherwise.
-    A checkpoint from before identities were recorded (``saved`` None): the warning to print."""
+    A checkpoint from before identities were recorded (``saved`` None): the warning to print. ``defaults``
+    (:func:`setting_defaults`): a setting newer than the checkpoint, left at its default, is no change."""
     if saved is None:
         return (f"warning: train.resume_from: {checkpoint} was saved before checkpoints recorded their run: its data "
                 "and settings cannot be checked against this run's (its next checkpoint records them)")
-    changed = [key for key in dict.fromkeys([*saved, *current]) if saved.get(key, _UNSET) != current.get(key, _UNSET)]
+    defaults = defaults or {}
+    changed = [key for key in dict.fromkeys([*saved, *current]) if saved.get(key, _UNSET) != current.get(key, _UNSET)
+               and not (_newer_than(saved, key) and current.get(key, _UNSET) == defaults.get(key, _UNSET))]
     # a group set on one side only (packing off -> on, an empty model.config): one change, not one per key in it
     groups = {key for key in changed if any(other.startswith(f"{key}.") for other in changed)}
     changes = [f"{key} {_shown(saved, key)} -> {_shown(current, key)}" if key in groups else
@@ -76,6 +88,11 @@ def check_identity(saved: dict | None, current: dict, checkpoint: Path) -> str |
 
 
 _UNSET = object()
+
+
+def _newer_than(saved: dict, key: str) -> bool:
+    """``key`` is a setting the saved identity does not know at all (not a group switched on or off there)."""
+    return key not in saved and not any(key.startswith(f"{other}.") or other.startswith(f"{key}.") for other in saved)
 
 
 def _flat(node: dict, prefix: str = "") -> dict[str, Any]:
