@@ -4,16 +4,17 @@ Checked: the rows share one segment stream and fill their length; the one-by-one
 work (same loss and gradients); a step's time is the best of its timed repeats after the memory step and a warm-up;
 the peak sampler sees an allocation; a measurement over its memory or time limit is killed and named; a backend
 that failed is not run at larger lengths and ratios come from the reference; OK/MISS are decided by the targets. One
-tiny run of the command itself exits 0 and writes its numbers. Wall-clock values are never asserted.
+tiny run of the command (its ``main``, in this process) returns and writes its numbers. Wall-clock values are never
+asserted.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,7 +22,6 @@ import torch
 
 from tools import bench_long as bench
 
-TOOL = Path(bench.__file__)
 TINY = ["--lengths", "128", "256", "--hidden", "64", "--intermediate", "128", "--layers", "1", "--heads", "2",
         "--kv-heads", "1", "--segment-median", "48", "--repeats", "1"]
 GIB, MIB = 2**30, 2**20
@@ -82,11 +82,16 @@ def test_a_step_is_the_best_of_its_timed_repeats_with_fresh_gradients():
 
 
 def test_the_peak_sampler_sees_an_allocation():
+    """64 MiB written into a fresh anonymous mapping: a heap allocation may instead reuse memory this process
+    already holds (freed by earlier in-process tests), which no RSS sampler could see."""
     with bench.PeakRss() as rss:
-        held = np.ones(64 * MIB // 8)
+        held = mmap.mmap(-1, 64 * MIB)
+        pages = np.frombuffer(held, dtype=np.uint8)
+        pages[:] = 1
         time.sleep(0.05)
     assert rss.added >= 48 * MIB and rss.baseline > 0
-    del held
+    del pages
+    held.close()
 
 
 class Child:
@@ -186,14 +191,14 @@ def test_a_missing_or_failed_measurement_is_a_miss_naming_why():
 
 
 @pytest.mark.launch
-def test_the_command_measures_every_length_and_exits_0(tmp_path):
-    """``python tools/bench_long.py`` (installed package, no path edits) on a tiny model, one backend."""
+def test_the_command_measures_every_length_and_exits_0(tmp_path, monkeypatch, capfd):
+    """The command's ``main`` with its arguments, in this process (a fresh interpreter for it cost ~8 s of imports;
+    each measurement is still its own process, forked from the fork server), on a tiny model, one backend."""
+    monkeypatch.chdir(tmp_path)
     path = tmp_path / "bench.json"
-    done = subprocess.run([sys.executable, str(TOOL), *TINY, "--backends", "sdpa_varlen", "--json", str(path)],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
+    returned = bench.main([*TINY, "--backends", "sdpa_varlen", "--json", str(path)])
     result = json.loads(path.read_text())
-    assert result["lines"] == done.stdout.splitlines()
+    assert result["lines"] == returned["lines"] == capfd.readouterr().out.splitlines()
     assert [(r["backend"], r["length"]) for r in result["rows"]] == [("sdpa_varlen", 128), ("sdpa_varlen", 256)]
     for row in result["rows"] + result["references"]:
         assert "error" not in row, row
@@ -219,15 +224,15 @@ def test_cp_targets_judge_saved_bytes_and_vision_at_8192_and_growth():
 
 
 @pytest.mark.launch
-def test_context_parallel_command_splits_saved_bytes_and_vision_work(tmp_path):
+def test_context_parallel_command_splits_saved_bytes_and_vision_work(tmp_path, monkeypatch):
     """``--context-parallel 2`` starts its own 2 gloo ranks: per rank about half the saved bytes and exactly half
-    the vision FLOPs of CP = 1 on the same row (4 images of the same size: 2 per rank)."""
+    the vision FLOPs of CP = 1 on the same row (4 images of the same size: 2 per rank). The command's ``main``, in
+    this process (its ranks are the fresh processes it spawns)."""
+    monkeypatch.chdir(tmp_path)
     path = tmp_path / "bench.json"
-    done = subprocess.run([sys.executable, str(TOOL), "--lengths", "1024", "--hidden", "64", "--intermediate", "128",
-                           "--layers", "1", "--heads", "2", "--kv-heads", "2", "--segment-median", "1024",
-                           "--repeats", "1", "--backends", "sdpa_varlen", "--context-parallel", "2", "--json",
-                           str(path)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
+    bench.main(["--lengths", "1024", "--hidden", "64", "--intermediate", "128", "--layers", "1", "--heads", "2",
+                "--kv-heads", "2", "--segment-median", "1024", "--repeats", "1", "--backends", "sdpa_varlen",
+                "--context-parallel", "2", "--json", str(path)])
     result = json.loads(path.read_text())
     one, two = result["rows"]
     assert (one["cp"], two["cp"]) == (1, 2) and len(two["ranks"]) == 2

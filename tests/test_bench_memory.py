@@ -1,19 +1,15 @@
 """tools/bench_memory.py: what it computes, on known models and tiny sizes.
 
 Checked: the state count of fp32 AdamW after a step is 4x the trainable parameters' bytes (plus its step
-counters), frozen parameters count once; OK/MISS are decided by the targets; one tiny run of the command itself on
-its own 2 ranks exits 0, and its numbers hold together: DDP's ranks each hold everything, FSDP2's shards add up to
-exactly DDP's parameters and hold about half per rank, recomputation saves bytes and trains the same. Wall-clock
-values are never asserted; the printed table is formatting and is not parsed.
+counters), frozen parameters count once; OK/MISS are decided by the targets; one tiny run of the command (its
+``main``, in this process) on its own 2 ranks returns, and its numbers hold together: DDP's ranks each hold
+everything, FSDP2's shards add up to exactly DDP's parameters and hold about half per rank, recomputation saves
+bytes and trains the same. Wall-clock values are never asserted; the printed table is formatting and is not parsed.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +17,6 @@ import torch
 from mvp_engine.engine.testing import LAUNCH_ENV
 from tools import bench_memory as bench
 
-TOOL = Path(bench.__file__)
 TINY = ["--length", "512", "--state-length", "256", "--samples", "16", "--hidden", "64", "--intermediate", "128",
         "--layers", "2", "--heads", "4", "--kv-heads", "2", "--vision-hidden", "32", "--vision-intermediate", "64",
         "--vision-layers", "2", "--vision-heads", "2", "--repeats", "1"]
@@ -57,12 +52,15 @@ def test_ok_and_miss_are_decided_by_the_targets(fsdp_totals, saved_ratio, expect
 
 
 @pytest.mark.launch
-def test_the_command_measures_on_two_ranks_and_its_numbers_hold(tmp_path):
+def test_the_command_measures_on_two_ranks_and_its_numbers_hold(tmp_path, monkeypatch, capfd):
+    """The command's ``main`` with its arguments, in this process (a fresh interpreter for it cost ~8 s of imports;
+    its two ranks are still the fresh processes it starts), in the environment and folder a launch would have."""
+    for key, value in LAUNCH_ENV.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(tmp_path)
     out = tmp_path / "bench.json"
-    result = subprocess.run([sys.executable, str(TOOL), *TINY, "--workdir", "work", "--json", str(out)],
-                            capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                            env={**os.environ, **LAUNCH_ENV})
-    assert result.returncode == 0, result.stderr[-4000:]
+    returned = bench.main([*TINY, "--workdir", "work", "--json", str(out)])
+    stdout = capfd.readouterr().out
     numbers = json.loads(out.read_text())
     ddp, fsdp = numbers["state"]["ddp"], numbers["state"]["fsdp2"]
     activations = numbers["activations"]
@@ -75,4 +73,4 @@ def test_the_command_measures_on_two_ranks_and_its_numbers_hold(tmp_path):
     assert activations["checkpointing"]["saved_bytes"] < activations["none"]["saved_bytes"]
     assert activations["loss_diff"] <= bench.EXACT_TOL and activations["grad_diff"] <= bench.EXACT_TOL
     assert numbers["targets"][0]["ok"]
-    assert numbers["lines"] == result.stdout.splitlines()
+    assert numbers["lines"] == returned["lines"] == stdout.splitlines()

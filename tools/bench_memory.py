@@ -356,12 +356,16 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    if args.workdir is None:
-        with tempfile.TemporaryDirectory() as workdir:
-            result = run(args, Path(workdir))
-    else:
-        args.workdir.mkdir(parents=True, exist_ok=True)
-        result = run(args, args.workdir.resolve())  # absolute: the ranks' file:// rendezvous needs it
+    threads = torch.get_num_threads()
+    try:
+        if args.workdir is None:
+            with tempfile.TemporaryDirectory() as workdir:
+                result = run(args, Path(workdir))
+        else:
+            args.workdir.mkdir(parents=True, exist_ok=True)
+            result = run(args, args.workdir.resolve())  # absolute: the ranks' file:// rendezvous needs it
+    finally:
+        torch.set_num_threads(threads)  # called in process (tests), leave the caller's setting as it was
     print("\n".join(result["lines"]))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
