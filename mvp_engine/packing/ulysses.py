@@ -27,7 +27,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from . import varlen_sdpa  # noqa: F401  (sdpa_varlen's functions are registered before they are wrapped)
-from .backends import ATTENTION_BACKENDS
+from .backends import ATTENTION_BACKENDS, FLASH_BACKENDS
 from .sequence_parallel import SequenceShard, all_to_all, sequence_shard
 from .unwrap import unwrap_model
 
@@ -48,10 +48,32 @@ def _backend_function(module, backend: str):
     return ALL_ATTENTION_FUNCTIONS[backend]
 
 
+class _Seen:
+    """``target`` with some attributes replaced, everything else read through from it."""
+
+    def __init__(self, target, **replaced):
+        self._target = target
+        self.__dict__.update(replaced)
+
+    def __getattr__(self, name: str):
+        return getattr(self._target, name)
+
+
+def _as_backend(module, backend: str):
+    """``module`` as ``backend`` would see it in the model without Ulysses: its config naming ``backend``. Why:
+    transformers' flash forward looks its kernels up by ``module.config._attn_implementation``, which here names
+    ``ulysses_<backend>``, no flash implementation (a ValueError at the first layer). Only flash reads the name, so
+    the other backends get the module itself."""
+    if backend not in FLASH_BACKENDS:
+        return module
+    return _Seen(module, config=_Seen(module.config, _attn_implementation=backend))
+
+
 def _ulysses(backend: str):
     def attention(module, query, key, value, attention_mask, **kwargs):
         """(B, H, L/N, D) query / key / value in, (B, L/N, H, D) out, like every transformers backend."""
         inner = _backend_function(module, backend)
+        module = _as_backend(module, backend)
         shard = sequence_shard()
         if shard is None:
             raise RuntimeError(f"{PREFIX}{backend}: this sequence-parallel model ran outside a sequence-parallel "
