@@ -16,6 +16,7 @@ from transformers import get_scheduler
 import mvp_engine.engine.testing as kit
 from mvp_engine.engine.config import ConfigError, resolve_attention, resolve_run_specs
 from mvp_engine.engine.demo import with_demo_data
+from mvp_engine.engine.device import cuda_in_use
 from mvp_engine.engine.entry import run_recipe
 from mvp_engine.engine.trainer import Trainer
 
@@ -145,7 +146,7 @@ def test_auto_attention_resolves_per_run_kind_to_a_backend_this_machine_trains_w
     packed = resolve_run_specs(kit.compose_config(recipe, ["attention=auto", "+packing=greedy"]),
                                loaded.attention_backends)
     unpacked = resolve_run_specs(kit.compose_config(recipe, ["attention=auto"]), loaded.attention_backends)
-    flash = torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+    flash = cuda_in_use() and importlib.util.find_spec("flash_attn") is not None
     assert packed.attention == ("flash_attention_2" if flash else "sdpa_varlen")
     assert unpacked.attention == ("flash_attention_2" if flash else "sdpa")
 

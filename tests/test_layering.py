@@ -192,6 +192,7 @@ TEST_KIT_TOOLS = {
     "tools.validate_recipe": "testkit.validate's checks of a recipe's real run",
     "tools.check_packed_equivalence": "testkit.equivalence's packed == one-by-one comparison",
     "tools.bench_balance": "testkit.launch's real training launches and its image writer",
+    "tools.gpu_check": "testkit.equivalence's packed == one-by-one comparison and testkit.launch's launches, on CUDA",
 }
 
 

@@ -504,7 +504,7 @@ def measure_all(args: argparse.Namespace, model_cfg: dict, backends: list[str],
             spec = {"model_cfg": model_cfg, "segments": segments[length], "threads": args.threads,
                     "repeats": args.repeats, "seed": args.seed, "timeout_s": args.timeout_s, "backend": name,
                     "recipe": args.recipe,
-                    "forward_only": name != REFERENCE and not backward_available(name)}
+                    "forward_only": name != REFERENCE and not backward_available(name, "cpu")}
             progress(f"measuring {name} at L={length} ...")
             started = time.perf_counter()
             result = measure(context, spec, args, Path(tmp))
@@ -626,7 +626,7 @@ def header_lines(args, model_cfg, backends, skipped, segments) -> list[str]:
                      f"(mean {sum(lengths) / len(lengths):.0f})")
     lines.append(f"backends: {', '.join(backends) or 'none'}"
                  + "".join(f"; {name} forward only (no backward here)" for name in backends
-                           if not backward_available(name)))
+                           if not backward_available(name, "cpu")))
     lines += [f"skipped {name}: {reason}" for name, reason in skipped.items()]
     return lines
 

@@ -26,6 +26,7 @@ from mvp_engine.packing import ATTENTION_BACKENDS, BACKENDS, SDPA_VARLEN
 
 from . import run_dir  # noqa: F401  (registers the ${run_stamp:...} resolver the configs use)
 from .config_errors import omegaconf_error_line
+from .device import cuda_in_use
 from .loss import REDUCTIONS
 from .trackers import check_report_to
 
@@ -107,7 +108,7 @@ class TrainSpec:
         if self.mixed_precision not in MIXED_PRECISION:
             raise ConfigError(f"train.mixed_precision={self.mixed_precision!r} is invalid: allowed one of "
                               f"{list(MIXED_PRECISION)}")
-        if self.mixed_precision == "fp16" and not torch.cuda.is_available():
+        if self.mixed_precision == "fp16" and not cuda_in_use():
             raise ConfigError("train.mixed_precision='fp16' needs a CUDA GPU: use 'bf16' or 'no' on the CPU")
         if self.peak_tflops is not None and not (isinstance(self.peak_tflops, (int, float)) and self.peak_tflops > 0):
             raise ConfigError(f"train.peak_tflops={self.peak_tflops!r} is invalid: allowed null or a float > 0 "
@@ -276,16 +277,18 @@ def check_attention(name: str, supported: tuple[str, ...], training: bool = True
         raise ConfigError(f"attention.implementation={name!r} is not supported here: allowed {list(supported)}")
     backend = BACKENDS[name]
     if backend.package is not None:
-        if not torch.cuda.is_available() or importlib.util.find_spec(backend.package) is None:
+        if not cuda_in_use() or importlib.util.find_spec(backend.package) is None:
             raise ConfigError(f"attention.implementation={name!r} needs a CUDA GPU and the {backend.package} package")
-    elif backend.needs_cuda and training and not torch.cuda.is_available():
+    elif backend.needs_cuda and training and not cuda_in_use():
         raise ConfigError(f"attention.implementation={name!r} needs a CUDA GPU to train: torch's FlexAttention has no "
                           "CPU backward (forward-only checks run on CPU)")
 
 
-def backward_available(backend: str) -> bool:
-    """torch's FlexAttention has no CPU backward; everything else differentiates anywhere it runs."""
-    return not BACKENDS[backend].needs_cuda or torch.cuda.is_available()
+def backward_available(backend: str, device: str | torch.device) -> bool:
+    """Whether ``backend`` differentiates on ``device``: torch's FlexAttention has no CPU backward, everything else
+    differentiates anywhere it runs. The device the model sits on decides, not whether the machine has CUDA: a CPU
+    model on a GPU machine has no flex backward either."""
+    return not BACKENDS[backend].needs_cuda or torch.device(device).type == "cuda"
 
 
 def resolve_attention(name: str, supported: tuple[str, ...], packed: bool) -> str:

@@ -21,6 +21,7 @@ from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration
 
 from .config import AUTO_THREADS, ConfigError
+from .device import cuda_in_use
 
 
 def fsdp_requested() -> bool:
@@ -30,7 +31,8 @@ def fsdp_requested() -> bool:
 
 def build_accelerator(mixed_precision: str, sharding: str = "none", report_to: list[str] | None = None,
                       run_dir: Path | None = None) -> Accelerator:
-    """The run's accelerator: CUDA when present (NCCL under a launcher), else the CPU (gloo under a launcher).
+    """The run's accelerator: CUDA when present (NCCL under a launcher), else the CPU (gloo under a launcher);
+    ``VLM_PACKING_DEVICE=cpu`` (``device.py``) asks for the CPU on a machine with CUDA.
 
     ``sharding`` is ``train.sharding``, the one switch for FSDP2: the engine shards with torch's ``fully_shard``
     itself (``sharding.py``), and the accelerator only sets up the process group and the device. An accelerate
@@ -41,7 +43,7 @@ def build_accelerator(mixed_precision: str, sharding: str = "none", report_to: l
     if fsdp_requested() and sharding != "fsdp2":
         raise ConfigError(f"train.sharding={sharding!r}, but the accelerate config asks for FSDP (distributed_type: "
                           "FSDP): add train.sharding=fsdp2, or launch with conf/accelerate/ddp.yaml for DDP")
-    cuda = torch.cuda.is_available()
+    cuda = cuda_in_use()
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # its per-file save/load lines drown the step log
     project = None if run_dir is None else ProjectConfiguration(project_dir=str(run_dir),
                                                                 logging_dir=str(run_dir / "tensorboard"))

@@ -91,6 +91,7 @@ from .structure import (
     compose_config,
     forward_backends,
     load_recipe,
+    needs_cuda,
     packing_overrides,
     runnable_backends,
 )
@@ -145,6 +146,7 @@ __all__ = [
     "train",
     "load_recipe",
     "max_weight_difference",
+    "needs_cuda",
     "packing_overrides",
     "read_metrics",
     "read_summary",

@@ -72,7 +72,7 @@ def _forward_and_grads(recipe: Recipe, model_cfg, encoder, batch: dict, backend:
     # the kinds the recipe's encoder feeds, with their own per-item fields, as training hands them to the vision
     # tower's share
     dummy, kinds = recipe.dummy_media(model), media_kinds(model, encoder)
-    grads = backward_available(backend)
+    grads = backward_available(backend, "cpu")  # the CP ranks are gloo ranks: their models sit on the CPU
     with torch.set_grad_enabled(grads):
         kwargs = recipe.prepare_packed(batch, model, backend)
         if shard is None:
@@ -114,7 +114,7 @@ def _split_worker(rank: int, recipe_name: str, workdir: str, backends: list[str]
             # flex without a CPU backward compares its forward with the unsplit row on sdpa: the same masked
             # attention (the equivalence suite holds flex == sdpa), without compiling flex a second time for the
             # whole row's shapes (5-10 s a recipe on a cold compile cache)
-            unsplit = "sdpa" if not backward_available(backend) else backend
+            unsplit = "sdpa" if not backward_available(backend, "cpu") else backend
             reference = _forward_and_grads(recipe, model_cfg, encoder, batch, unsplit, None) if rank == 0 else None
             logits, loss, gradients = _forward_and_grads(recipe, model_cfg, encoder, batch, backend, shard)
             pieces = [torch.empty_like(logits) for _ in range(CP_SIZE)]

@@ -157,7 +157,7 @@ class EquivalenceReport:
         assert self.ok, "\n".join(self.lines())
 
 
-def _to(batch: dict, device: str) -> dict:
+def batch_to(batch: dict, device: str) -> dict:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
@@ -192,7 +192,7 @@ def _one_by_one(case: EquivalenceCase, model, backend: str, device: str):
     """Logits per segment, the separate-loss tensor (not yet differentiated) and the supervised-token count."""
     logits, means, counts = [], [], []
     for *_, sample in case.segments():
-        alone = _to(case.alone(sample), device)
+        alone = batch_to(case.alone(sample), device)
         ref = model(**case.recipe.prepare_padded(alone, model, backend)).logits
         logits.append(ref[0].detach())
         part = weighted_token_loss(ref, alone["labels"], alone["pack_segment_ids"], "token")
@@ -248,9 +248,9 @@ def run_equivalence(case: EquivalenceCase, backend: str, *, prepare_packed: Call
     if lora is not None:
         model = with_random_adapters(model, lora)
     model = model.to(device=device, dtype=dtype).eval()
-    grads = backward_available(backend) if device == "cpu" else True
+    grads = backward_available(backend, device)
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    batch = _to(case.batch, device)
+    batch = batch_to(case.batch, device)
     notes = [] if grads else [f"gradients not checked: torch's FlexAttention has no backward on {device}"]
 
     shared = lora is None and device == "cpu" and dtype == torch.float32

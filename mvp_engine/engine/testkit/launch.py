@@ -15,10 +15,13 @@ import torch
 from safetensors.torch import load_file
 
 from ..config import CONF_DIR
+from ..device import DEVICE_ENV
 
 REPO_ROOT = CONF_DIR.parent
-# every launch on one thread per process: results do not depend on how many cores the machine has free
-LAUNCH_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+# every launch on one thread per process: results do not depend on how many cores the machine has free; and on the
+# CPU: the tests' trainings make CPU claims (gloo, exact equalities), and on a GPU machine two ranks would be two
+# NCCL ranks on one GPU (``device.py``)
+LAUNCH_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", DEVICE_ENV: "cpu"}
 # trainings of this test session by how they ran: "launched" (a fresh interpreter per process, here), "in-process"
 # and "pooled" (``runs.py``); printed at the session's end
 RUN_COUNTS: Counter = Counter()

@@ -3,10 +3,12 @@
 On the recipe's packed case (``equivalence_case``: rows of image, text-only, multi-image and video samples ending
 in padding), in train mode (the tiny models' dropout is 0), the packed forward + token loss + backward runs twice
 on the same seeded weights, without and with ``enable_activation_checkpointing``. Compared: the loss and every
-parameter gradient (max abs difference <= ``RECOMPUTE_TOL``, 1e-6). Proved, so the check could fail: every layer
-the loss reaches (it ran in the forward and its parameters got a gradient; LLaVA's last CLIP layer feeds no
+parameter gradient (max abs difference <= ``RECOMPUTE_TOL``, 1e-6, in fp32). Proved, so the check could fail: every
+layer the loss reaches (it ran in the forward and its parameters got a gradient; LLaVA's last CLIP layer feeds no
 feature) ran again in the backward (a forward pre-hook on its children fires during ``backward()``), none did
-without checkpointing, and the bytes saved for backward (``SavedForBackward``) fell.
+without checkpointing, and the bytes saved for backward (``SavedForBackward``) fell. On the CPU, or on CUDA for a
+backend that trains only there (flex: no CPU backward; flash: in bf16, which it needs, within
+``LOW_PRECISION_TOL``).
 """
 
 from __future__ import annotations
@@ -15,9 +17,12 @@ from dataclasses import dataclass
 
 import torch
 
+from mvp_engine.packing import is_flash
+
 from ..loss import weighted_token_loss
 from ..recompute import SavedForBackward, checkpointing_layers, enable_activation_checkpointing
-from .equivalence import EquivalenceCase
+from .equivalence import LOW_PRECISION_TOL, EquivalenceCase, batch_to
+from .structure import needs_cuda
 
 RECOMPUTE_TOL = 1e-6
 
@@ -34,8 +39,10 @@ class PackedBackward:
     backward_layers: frozenset[int]
 
 
-def packed_backward(case: EquivalenceCase, backend: str, checkpointing: bool) -> PackedBackward:
-    model = case.recipe.build_model(case.model_cfg, backend).train()
+def packed_backward(case: EquivalenceCase, backend: str, checkpointing: bool, device: str = "cpu",
+                    dtype: torch.dtype = torch.float32) -> PackedBackward:
+    model = case.recipe.build_model(case.model_cfg, backend).to(device=device, dtype=dtype).train()
+    batch = batch_to(case.batch, device)
     if checkpointing:
         enable_activation_checkpointing(model)
     layers = checkpointing_layers(model)
@@ -49,8 +56,8 @@ def packed_backward(case: EquivalenceCase, backend: str, checkpointing: bool) ->
                for index, layer in enumerate(layers) for child in layer.children()]
     try:
         with SavedForBackward(model) as saved:
-            outputs = model(**case.recipe.prepare_packed(case.batch, model, backend))
-            part = weighted_token_loss(outputs.logits, case.batch["labels"], case.batch["pack_segment_ids"], "token")
+            outputs = model(**case.recipe.prepare_packed(batch, model, backend))
+            part = weighted_token_loss(outputs.logits, batch["labels"], batch["pack_segment_ids"], "token")
             loss = part.weighted_sum / part.weight_total
             saved_bytes = saved.bytes
         phase[0] = "backward"
@@ -69,6 +76,7 @@ class RecomputeReport:
     backend: str
     plain: PackedBackward
     recomputed: PackedBackward
+    tol: float = RECOMPUTE_TOL
 
     @property
     def loss_diff(self) -> float:
@@ -88,10 +96,10 @@ class RecomputeReport:
     def failures(self) -> list[str]:
         plain, recomputed = self.plain, self.recomputed
         out = []
-        if not self.grad_diff <= RECOMPUTE_TOL:
+        if not self.grad_diff <= self.tol:
             out.append(f"gradients: max abs diff {self.grad_diff:.3e} (with a gradient only one way: "
                        f"{sorted(plain.grads.keys() ^ recomputed.grads.keys())})")
-        if not self.loss_diff <= RECOMPUTE_TOL:
+        if not self.loss_diff <= self.tol:
             out.append(f"loss: {plain.loss:.8f} without, {recomputed.loss:.8f} with recomputation")
         if not (recomputed.reached_layers and recomputed.backward_layers == recomputed.reached_layers):
             out.append(f"{len(recomputed.backward_layers)} layers ran again in backward, the loss reached "
@@ -117,6 +125,11 @@ class RecomputeReport:
 
 
 def run_recompute_check(case: EquivalenceCase, backend: str) -> RecomputeReport:
-    """The packed case on ``backend`` without and with activation checkpointing (see the module doc)."""
-    return RecomputeReport(case.recipe.name, backend, packed_backward(case, backend, checkpointing=False),
-                           packed_backward(case, backend, checkpointing=True))
+    """The packed case on ``backend`` without and with activation checkpointing (see the module doc), on the
+    device ``backend`` trains on (``needs_cuda``): a CPU model on a GPU machine would still have no flex backward and
+    no flash kernel."""
+    device = "cuda" if needs_cuda(backend) else "cpu"
+    dtype = torch.bfloat16 if is_flash(backend) else torch.float32
+    runs = [packed_backward(case, backend, checkpointing, device, dtype) for checkpointing in (False, True)]
+    return RecomputeReport(case.recipe.name, backend, *runs,
+                           tol=RECOMPUTE_TOL if dtype == torch.float32 else LOW_PRECISION_TOL)

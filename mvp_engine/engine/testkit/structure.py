@@ -7,7 +7,7 @@ import importlib
 import inspect
 
 from mvp_engine.kit.mllm.data import MLLMSampleEncoder
-from mvp_engine.packing import ATTENTION_BACKENDS, is_flash
+from mvp_engine.packing import ATTENTION_BACKENDS, BACKENDS, is_flash
 
 from ..config import backward_available as backward_available  # re-exported: these three live in the engine,
 from ..config import check_attention, compose_config, resolve_run_specs  # where tools import them from
@@ -32,6 +32,14 @@ def check_structure(name: str) -> None:
     cfg = compose_config(name)
     encoder = recipe.build_encoder(recipe.build_processor(cfg.model))
     assert isinstance(encoder, MLLMSampleEncoder), "the encoder lacks encode/measure"
+
+
+def needs_cuda(backend: str, training: bool = True) -> bool:
+    """Whether running ``backend`` (``training``: forward and backward) needs a CUDA device: a flash package's
+    kernels always, torch's FlexAttention to train (no CPU backward). The suites mark such cases ``gpu``: on a GPU
+    machine they alone see CUDA, every other test runs as on a CPU machine (``conftest.py``)."""
+    spec = BACKENDS[backend]
+    return spec.package is not None or (training and spec.needs_cuda)
 
 
 def runnable_backends(recipe: Recipe, training: bool = True) -> list[str]:

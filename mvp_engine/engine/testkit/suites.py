@@ -26,6 +26,12 @@ from ..config import AUTO_ATTENTION, ConfigError, check_attention, resolve_atten
 from ..lora import LoraSpec
 
 
+def backend_params(backends, training: bool) -> list:
+    """``backends`` as pytest parameters, those that need CUDA for the case (``kit.needs_cuda``) marked ``gpu``:
+    on a GPU machine they run there, every other case runs as on a CPU machine (``conftest.py``)."""
+    return [pytest.param(b, marks=pytest.mark.gpu) if kit.needs_cuda(b, training) else b for b in backends]
+
+
 class RecipeSuite:
     """Base: ``recipe`` names ``recipes/<recipe>`` (and ``conf/<recipe>.yaml``)."""
 
@@ -75,10 +81,12 @@ class EquivalenceSuite(RecipeSuite):
     for every backend this machine trains with."""
 
     covers = ("packed == one-by-one", "LoRA", "recompute")  # what it tests on its recipe (testkit.coverage)
+    training_tests = ("test_activation_checkpointing_is_exact_and_recomputes",)  # the others run forward only
 
     def pytest_generate_tests(self, metafunc):
         if "backend" in metafunc.fixturenames:
-            metafunc.parametrize("backend", kit.load_recipe(self.recipe).attention_backends)
+            training = metafunc.function.__name__ in self.training_tests
+            metafunc.parametrize("backend", backend_params(kit.load_recipe(self.recipe).attention_backends, training))
 
     @pytest.fixture(scope="class")
     @classmethod
