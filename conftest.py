@@ -33,6 +33,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+def pytest_collection_finish(session):
+    """A session that will start processes starts the pool's fork server now: it imports the kit and the recipes
+    while the first tests run, and every pooled rank is forked from it ready (``testkit.runs``)."""
+    from mvp_engine.engine.testkit.launch import NO_LAUNCH_ENV
+
+    if os.environ.get(NO_LAUNCH_ENV) != "1" and any("launch" in item.keywords for item in session.items):
+        from mvp_engine.engine.testkit.runs import start_fork_server
+
+        start_fork_server()
+
+
 def pytest_terminal_summary(terminalreporter):
     from mvp_engine.engine.testkit.launch import RUN_COUNTS
 

@@ -3,7 +3,9 @@ of N worker processes started once per test session; and a session cache of refe
 
 Why: a launch (``launch.py``) spends ~10 s per process importing torch, transformers and the recipe before its
 first step, and the suite's trainings are a few steps each, so imports were most of the suite's time. A pool worker
-imports once and then runs each requested training as a launched rank would: the environment torchrun sets
+is forked from the session's fork server, which imported the kit and the recipes once (``start_fork_server``: the
+session's conftest starts it as collection ends, so it imports while the first tests run), and then runs each
+requested training as a launched rank would: the environment torchrun sets
 (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, a fresh ``MASTER_PORT``), accelerate's state reset, the run's own
 process group set up and torn down by ``run_recipe``, one torch thread. What a run returns is what a launch
 returns (exit status, stdout, stderr), so a test reads either the same way. Real launches stay where the process
@@ -18,6 +20,7 @@ import atexit
 import faulthandler
 import importlib
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import shutil
 import signal
@@ -38,6 +41,14 @@ from ..device import DEVICE_ENV
 from .launch import LAUNCH_ENV, RUN_COUNTS, count_launch
 
 POOL_START_TIMEOUT = 120.0
+# what a pooled rank would import before its first call, imported once by the fork server its workers fork from
+# (a module that does not import is left to the worker, as multiprocessing's preload does): the kit, the entry
+# point, every recipe's train module and what compiling flex attention imports
+POOL_PRELOAD = ["mvp_engine.engine.testkit", "mvp_engine.engine.entry",
+                *sorted(f"recipes.{path.parent.name}.train"
+                        for path in (Path(__file__).resolve().parents[3] / "recipes").glob("*/train.py")),
+                "torch._inductor.compile_fx", "torch.nn.attention.flex_attention",
+                "transformers.integrations.flex_attention"]
 
 
 def _free_port() -> int:
@@ -101,15 +112,19 @@ def _call(target: str, args: tuple, log: Path) -> tuple[int, object, str, str]:
 
 
 def _exit_with_parent(parent: int) -> None:
-    """A worker outliving its test session (the session killed) exits instead of waiting forever for work."""
+    """A worker outliving its test session exits instead of waiting forever for work: its parent, the fork server,
+    ends with the session (killed or not), and the worker is then handed to another parent."""
     while True:
         time.sleep(2)
         if os.getppid() != parent:
             os._exit(1)
 
 
-def _worker(rank: int, nproc: int, parent: int, jobs, results) -> None:
-    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+def _worker(rank: int, nproc: int, environ: dict, jobs, results) -> None:
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    # the session's environment when the pool started (a spawned worker's own), not the fork server's
+    os.environ.clear()
+    os.environ.update(environ)
     # a spawned process inherits "spawn" as its default start method; a launched rank's DataLoader workers fork
     multiprocessing.set_start_method("fork", force=True)
     while (job := jobs.get()) is not None:
@@ -119,28 +134,47 @@ def _worker(rank: int, nproc: int, parent: int, jobs, results) -> None:
         results.put((rank, *_call(target, (rank, *args) if with_rank else args, Path(f"{log}.rank{rank}"))))
 
 
+@contextmanager
+def _launch_env():
+    """``LAUNCH_ENV`` set while processes start (one thread per process, unbuffered output), then as it was."""
+    saved = {k: os.environ.get(k) for k in LAUNCH_ENV}
+    os.environ.update(LAUNCH_ENV)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def start_fork_server() -> None:
+    """Start the session's fork server, if it is not running, without waiting for it: it imports
+    ``POOL_PRELOAD`` in the background, and every pool worker is forked from it, ready, instead of a fresh
+    interpreter importing torch, transformers and the engine again. Started with ``LAUNCH_ENV``, read at import
+    time (OpenMP's thread count)."""
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(POOL_PRELOAD)
+    with _launch_env():
+        multiprocessing.forkserver.ensure_running()
+
+
 class RankPool:
     """``nproc`` worker processes, each one rank of every multi-rank run asked of it."""
 
     def __init__(self, nproc: int):
-        context = mp.get_context("spawn")
+        start_fork_server()
+        context = mp.get_context("forkserver")
         self.nproc = nproc
         self.results = context.Queue()
         self.jobs = [context.Queue() for _ in range(nproc)]
-        saved = {k: os.environ.get(k) for k in LAUNCH_ENV}
-        os.environ.update(LAUNCH_ENV)  # inherited at start: one thread per worker, unbuffered output
-        try:
-            # not daemonic: a rank's DataLoader workers are its children
-            self.workers = [context.Process(target=_worker, args=(rank, nproc, os.getpid(), self.jobs[rank],
-                                                                  self.results)) for rank in range(nproc)]
-            for worker in self.workers:
-                worker.start()
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+        environ = {**os.environ, **LAUNCH_ENV}
+        # not daemonic: a rank's DataLoader workers are its children
+        self.workers = [context.Process(target=_worker, args=(rank, nproc, environ, self.jobs[rank], self.results))
+                        for rank in range(nproc)]
+        for worker in self.workers:
+            worker.start()
 
     def alive(self) -> bool:
         return all(worker.is_alive() for worker in self.workers)
