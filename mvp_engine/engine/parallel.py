@@ -17,7 +17,8 @@ and a family that needs its own plan (tensor or expert split) adds it in one pla
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,12 +163,14 @@ def media_keys(kinds: tuple[MediaKind, ...]) -> tuple[str, ...]:
 
 
 def sequence_parallel_forward(model, kwargs: Mapping[str, Any], shard: SequenceShard, kinds: tuple[MediaKind, ...],
-                              dummy_media: dict, passes: int):
+                              dummy_media: dict, passes: int,
+                              autocast: Callable[[], AbstractContextManager] = nullcontext):
     """One micro-batch's forward on this CP rank from the whole rows' model kwargs: its chunk of the tokens and
     positions, the whole rows' masks / boundaries, its share of the media encoded and exchanged (run where the
     model's own encoder pass runs). The shard is active for the attention functions only inside this call (and
     again in a recomputed layer's replay). Returns the model's outputs (logits of the chunk) and the zero loss of
-    any dummy media passes (None when there was none)."""
+    any dummy media passes (None when there was none). ``autocast``: the model's forward's, for the media encoding
+    (``forward_with_media_pass``)."""
     whole = dict(kwargs)
     media = {key: whole.pop(key) for key in media_keys(kinds) if whole.get(key) is not None}
     input_ids: torch.Tensor = whole["input_ids"]
@@ -176,4 +179,5 @@ def sequence_parallel_forward(model, kwargs: Mapping[str, Any], shard: SequenceS
         return encode_media_shares(module, media, input_ids, shard, kinds, dummy_media)
 
     with sequence_sharded(shard):
-        return forward_with_media_pass(model, local_model_kwargs(whole, shard), dummy_media, passes, encode)
+        return forward_with_media_pass(model, local_model_kwargs(whole, shard), dummy_media, passes, encode,
+                                       autocast)

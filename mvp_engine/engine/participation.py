@@ -18,6 +18,7 @@ AdamW skips a parameter whose gradient is None but applies momentum and weight d
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
 
@@ -142,7 +143,8 @@ def dummy_media_loss(model, dummy_inputs: dict) -> torch.Tensor:
 
 
 def forward_with_media_pass(model, kwargs: Mapping, dummy_inputs: dict, passes: int,
-                            encode: Callable[[torch.nn.Module], tuple[dict, torch.Tensor | None]] | None = None):
+                            encode: Callable[[torch.nn.Module], tuple[dict, torch.Tensor | None]] | None = None,
+                            autocast: Callable[[], AbstractContextManager] = nullcontext):
     """``model(**kwargs)`` and, when ``passes`` (:func:`dummy_passes`) is not 0, the zero loss of that many dummy
     media passes (else None). ``encode`` (context parallelism: ``sequence_media.encode_media_shares``) runs in the
     same place and hands the model its ``mm_encoder_outputs`` (plus any zero loss of its own dummy passes).
@@ -151,19 +153,24 @@ def forward_with_media_pass(model, kwargs: Mapping, dummy_inputs: dict, passes: 
     FSDP2) and before the language model, as a real image's encoder pass does: FSDP2's own pre-hook (registered
     first, with ``prepend``) has gathered the root's parameters, and the vision blocks are gathered in the same
     order on every rank, before the decoder layers, whether the rank's micro-batch has media or not.
+
+    A pre-hook runs before the model's ``forward``, so outside the autocast accelerate wraps that ``forward`` in:
+    ``autocast`` is that context (``TrainStep.forward_autocast``), entered around the passes so the vision tower
+    computes in the precision the model's own image passes do (flash kernels refuse fp32).
     """
     if not passes and encode is None:
         return model(**kwargs), None
     losses = []
 
     def before_forward(module, args, module_kwargs):
-        if passes:
-            losses.append(sum(dummy_media_loss(module, dummy_inputs) for _ in range(passes)))
-        if encode is not None:
-            encoder_outputs, zero = encode(module)
-            module_kwargs = {**module_kwargs, "mm_encoder_outputs": encoder_outputs}
-            if zero is not None:
-                losses.append(zero)
+        with autocast():
+            if passes:
+                losses.append(sum(dummy_media_loss(module, dummy_inputs) for _ in range(passes)))
+            if encode is not None:
+                encoder_outputs, zero = encode(module)
+                module_kwargs = {**module_kwargs, "mm_encoder_outputs": encoder_outputs}
+                if zero is not None:
+                    losses.append(zero)
         return args, module_kwargs
 
     hook = unwrap_model(model).register_forward_pre_hook(before_forward, with_kwargs=True)

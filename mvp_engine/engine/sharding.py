@@ -24,6 +24,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from mvp_engine.packing.collective_device import collective_device
+
 from .config import ConfigError
 
 
@@ -91,7 +93,9 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     blocks = [_block_norms(_local(p.grad)) for p in parameters]
     squares = torch.cat(blocks).double().square().sum()
     if isinstance(first, DTensor):  # fully_shard's placement: Shard(0) over the mesh
-        torch.distributed.all_reduce(squares, group=first.device_mesh.get_group())
+        group = first.device_mesh.get_group()
+        squares = squares.to(collective_device(group))
+        torch.distributed.all_reduce(squares, group=group)
     total = squares.sqrt().float()
     torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
     return total

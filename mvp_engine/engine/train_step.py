@@ -52,13 +52,21 @@ class TrainStep:
         """The positions of the rows this rank computes the loss of (None: all of them)."""
         return None if self.shard is None else self.shard.span(batch["input_ids"].shape[-1])
 
+    def forward_autocast(self, model):
+        """The autocast ``model``'s own forward runs under, for the media passes that run before it: accelerate's
+        where it prepared the model (DDP, one process: it wraps ``forward`` in its autocast), none for an FSDP2
+        root (its mixed-precision policy casts the parameters instead; an outer autocast, as evaluation's, holds)."""
+        return nullcontext if is_sharded(model) else self.accelerator.autocast
+
     def forward(self, model, batch: dict):
         """The model's outputs on ``batch`` (this rank's chunk under context parallelism) and the zero loss of
         any dummy media passes."""
         kwargs, passes = self.prepare(batch, model, self.attention), dummy_passes(batch, self.media_kinds)
+        autocast = self.forward_autocast(model)
         if self.shard is None:
-            return forward_with_media_pass(model, kwargs, self.dummy_media, passes)
-        return sequence_parallel_forward(model, kwargs, self.shard, self.media_kinds, self.dummy_media, passes)
+            return forward_with_media_pass(model, kwargs, self.dummy_media, passes, autocast=autocast)
+        return sequence_parallel_forward(model, kwargs, self.shard, self.media_kinds, self.dummy_media, passes,
+                                         autocast)
 
     def __call__(self, group: list[dict], model, optimizer,
                  scheduler) -> tuple[float, float, tuple[float, float] | None]:

@@ -23,6 +23,7 @@ import torch
 
 from mvp_engine.kit.mllm.data.media import IMAGES, MediaKind
 
+from .collective_device import collective_device
 from .sequence_parallel import SequenceShard, exchange_rows
 from .unwrap import unwrap_model
 
@@ -123,9 +124,10 @@ def _exchange(parts: list[torch.Tensor], placeholders: torch.Tensor, shard: Sequ
     in order) fills its k-th placeholder, row-major over the whole rows."""
     widths = [p.shape[-1] for p in parts]
     rows = torch.cat(parts, dim=-1)
-    counts = [torch.zeros((), dtype=torch.long) for _ in range(shard.size)]
-    torch.distributed.all_gather(counts, torch.tensor(rows.shape[0]), group=shard.group)
-    counts = [int(c) for c in counts]
+    device = collective_device(shard.group)  # NCCL refuses the CPU tensors these would be by default
+    counts = [torch.zeros((), dtype=torch.long, device=device) for _ in range(shard.size)]
+    torch.distributed.all_gather(counts, torch.tensor(rows.shape[0], device=device), group=shard.group)
+    counts = torch.stack(counts).tolist()
     if sum(counts) != int(placeholders.sum()):
         raise ValueError(f"context parallelism: the micro-batch's {kind.name}s encode to {sum(counts)} features "
                          f"but its rows hold {int(placeholders.sum())} {kind.name} placeholder tokens")

@@ -5,7 +5,9 @@ The rows are the equivalence case's (several samples with images, a text-only sa
 takes video) padded so that the cut between the two ranks falls inside an image's placeholder run: its features
 are cut by the exchange, never its pixels. The CP side runs on the session's two pooled ranks (``runs.run_on_ranks``,
 a gloo group over a file store) on one saved batch, each with the engine's own ``sequence_parallel_forward``; the
-unsplit reference runs in the first of them, so both sides see the same inputs and process state.
+unsplit reference runs in the first of them, so both sides see the same inputs and process state. The split side
+runs under the collective-device check (``collectives.py``): a tensor made for a collective without its group's
+device would reach NCCL as a CPU tensor on a GPU machine.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from ..context_parallel import sequence_parallel_forward
 from ..loss import weighted_token_loss
 from ..participation import dummy_passes, media_kinds
 from ..recipe import Recipe
+from .collectives import collectives_on_their_groups_device
 from .equivalence import EquivalenceCase, collate_rows
 from .launch import final_weights, max_weight_difference, read_metrics, read_summary
 from .runs import run_on_ranks, shared_mixed_jsonl, train
@@ -116,7 +119,9 @@ def _split_worker(rank: int, recipe_name: str, workdir: str, backends: list[str]
             # whole row's shapes (5-10 s a recipe on a cold compile cache)
             unsplit = "sdpa" if not backward_available(backend, "cpu") else backend
             reference = _forward_and_grads(recipe, model_cfg, encoder, batch, unsplit, None) if rank == 0 else None
-            logits, loss, gradients = _forward_and_grads(recipe, model_cfg, encoder, batch, backend, shard)
+            with collectives_on_their_groups_device() as calls:  # each on its group's device, placed there
+                logits, loss, gradients = _forward_and_grads(recipe, model_cfg, encoder, batch, backend, shard)
+            assert "all_gather" in calls and "all_to_all_single_autograd" in calls, calls  # media counts, Ulysses
             pieces = [torch.empty_like(logits) for _ in range(CP_SIZE)]
             dist.all_gather(pieces, logits.contiguous())
             dist.all_reduce(loss)
