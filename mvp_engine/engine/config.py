@@ -57,7 +57,7 @@ class TrainSpec:
     max_grad_norm: float = 1.0
     loss_reduction: str = "token"
     drop_last: bool = False
-    pad_to_multiple_of: int | None = None
+    pad_to_multiple_of: int | None = None  # null: the longest row; flex_attention: a few widths (row_widths.py)
     num_workers: int = 0
     seed: int = 0
     log_every: int = 10  # optimizer steps between metric lines

@@ -4,8 +4,9 @@ Why in the engine: ``tools/pack_report.py``, ``tools/estimate_steps.py`` and ``t
 these numbers, and they must be the run's: the dataset ``run_data`` builds for the trainer, planned by
 ``dataset.plan(epoch)`` (text lengths and image header sizes only: no model weights, no image decoded), cut into
 micro-batches as a ``DataLoader`` with ``train.num_workers=0`` cuts each rank's packs, collated to the longest
-pack of each micro-batch rounded up to ``train.pad_to_multiple_of`` (what ``MLLMCollator`` pads to, not
-``max_seq_len``), and counted with the kit's own step arithmetic. The tools only print and plot these dicts.
+pack of each micro-batch raised to the run's row widths (``row_widths.run_collator``: flex_attention's power-of-two
+widths) and rounded up to ``train.pad_to_multiple_of`` (what ``MLLMCollator`` pads to, not ``max_seq_len``), and
+counted with the kit's own step arithmetic. The tools only print and plot these dicts.
 
 Compute comes from the cost model (``mvp_engine.engine.flops``: the recipe's model built on the meta device):
 useful forward + backward FLOPs per pack and per rank, and the per-step imbalance (largest per-rank cost / mean
@@ -34,9 +35,11 @@ from mvp_engine.kit.mllm.data.balance import balance_rng
 
 from .config import TrainSpec
 from .report_config import ReportSpec, planned_run, report_spec
+from .row_widths import run_collator
 from .run import Planning
 
-WIDTH_RULE = "longest pack of each micro-batch, rounded up to train.pad_to_multiple_of (as MLLMCollator pads)"
+WIDTH_RULE = ("longest pack of each micro-batch, raised to the run's row widths (flex_attention: powers of two) and "
+              "rounded up to train.pad_to_multiple_of (as MLLMCollator pads)")
 UNIT_BINS_UP_TO = 60  # integer histograms get one bar per value up to this many distinct values
 
 
@@ -75,10 +78,11 @@ def micro_batches(rows: list[list[int]], micro_batch_size: int, drop_last: bool)
     return groups
 
 
-def batch_accounting(dataset, epoch: int, train: TrainSpec) -> dict:
-    """Padding and attention work of every micro-batch on every rank, as ``TokenAccounting.from_batch`` counts."""
+def batch_accounting(dataset, epoch: int, train: TrainSpec, collator: MLLMCollator | None = None) -> dict:
+    """Padding and attention work of every micro-batch on every rank, as ``TokenAccounting.from_batch`` counts, at
+    the widths ``collator`` pads to (None: ``train.pad_to_multiple_of`` alone)."""
     lengths = dataset.plan(epoch).lengths.tolist()
-    collator = MLLMCollator(pad_token_id=0, pad_to_multiple_of=train.pad_to_multiple_of)
+    collator = collator or MLLMCollator(pad_token_id=0, pad_to_multiple_of=train.pad_to_multiple_of)
     totals = dict.fromkeys(("micro_batches", "rows", "all_padding_rows", "slots", "effective_tokens",
                             "attention_work", "dense_attention_work"), 0)
     for rank in range(dataset.world_size):
@@ -168,7 +172,7 @@ def describe_plan(planning: Planning, epoch: int = 0, bins: int = 20, balance_ra
         "fill": _stats(fills),
         "samples_per_pack": _stats(samples),
         "media_per_pack": {**_stats(media), "total": sum(media)},
-        "batching": batch_accounting(dataset, epoch, train),
+        "batching": batch_accounting(dataset, epoch, train, run_collator(0, planning.specs)),
         "steps": {"epochs": train.epochs, "micro_batch_size": train.micro_batch_size,
                   "gradient_accumulation_steps": train.gradient_accumulation_steps,
                   "world_size": dataset.world_size, "context_parallel_size": train.context_parallel_size,

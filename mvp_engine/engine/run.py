@@ -41,9 +41,10 @@ from .evaluation import Evaluator, build_evaluator
 from .flops import recipe_cost_profile
 from .launch import build_accelerator
 from .model_folder import check_model_folder
-from .parallel import ParallelLayout, build_layout, parallelize, plan_layout, row_multiple
+from .parallel import ParallelLayout, build_layout, parallelize, plan_layout
 from .participation import ParameterReport, media_kinds
 from .recipe import Recipe
+from .row_widths import run_collator
 from .run_guards import claim_run_dir, refuse_without_steps
 from .run_identity import check_identity, run_identity, setting_defaults
 from .run_model import PURPOSES, prepare_model
@@ -159,7 +160,7 @@ def _assemble(cfg: DictConfig, recipe: Recipe, specs: RunSpecs, purpose: str) ->
         # FLOPs per unit of work of this model as it trains: the per-step FLOPs and MFU, and packing.balance=compute
         run.cost_profile = recipe_cost_profile(recipe, model)
         run.dataset = build_run_dataset(specs, encoder, run.cost_profile, layout.dp_rank, layout.dp_size)
-    run.collator = MLLMCollator(recipe.pad_token_id(processor), row_multiple(train.pad_to_multiple_of, layout.cp_size))
+    run.collator = run_collator(recipe.pad_token_id(processor), specs, layout.cp_size)
     run.step = TrainStep(accelerator, recipe.prepare_packed if run.packed else recipe.prepare_padded, specs.attention,
                          run.dummy_media, train, run.media_kinds, layout.shard)
     if training:

@@ -42,7 +42,7 @@ from .linear_attention import (
     has_linear_attention,
     linear_attention_enabled,
 )
-from .mask_forms import SpanMasks, block_mask, dense_mask, packed_predicate, span_masks
+from .mask_forms import SpanMasks, block_mask, dense_mask, flex_row_widths, packed_predicate, span_masks
 from .masks import Predicate, causal, same_block, same_segment, sliding_window
 from .segments import flash_varlen_kwargs, row_segments, segment_positions, segment_run_ids, validate_segment_ids
 from .sequence_parallel import (
@@ -89,6 +89,7 @@ __all__ = [
     "ensure_position_rows",
     "flash_varlen_kwargs",
     "flex_block_mask",
+    "flex_row_widths",
     "has_linear_attention",
     "inner_backend",
     "is_block_mask",

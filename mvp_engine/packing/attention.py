@@ -38,7 +38,7 @@ import torch
 from mvp_engine.kit.mllm.data.collator import BATCH_ONLY_FIELDS
 
 from .backends import FLEX, SDPA_VARLEN, takes_varlen_kwargs
-from .mask_forms import CAUSAL, SpanMasks, block_mask, dense_mask, span_masks
+from .mask_forms import CAUSAL, FLEX_BLOCK_SIZE, SpanMasks, block_mask, dense_mask, span_masks
 from .masks import Predicate
 
 # The collator's batch-only fields: some a transformers model would consume with another meaning (cu_seqlens,
@@ -52,7 +52,7 @@ def block_causal_mask(segment_ids: torch.Tensor, dtype: torch.dtype | None = Non
     return dense_mask(segment_ids, CAUSAL, dtype)
 
 
-def flex_block_mask(segment_ids: torch.Tensor, block_size: int = 128):
+def flex_block_mask(segment_ids: torch.Tensor, block_size: int = FLEX_BLOCK_SIZE):
     """A flex-attention ``BlockMask`` with exactly :func:`block_causal_mask`'s pattern, built at block granularity
     (:func:`~.mask_forms.block_mask` of ``causal()``; the padding run sees only itself, so no row is fully masked)."""
     return block_mask(segment_ids, CAUSAL, block_size)

@@ -15,6 +15,26 @@ from .masks import Predicate, causal, same_segment
 from .segments import flash_varlen_kwargs, validate_segment_ids
 
 CAUSAL = causal()
+FLEX_BLOCK_SIZE = 128  # the BlockMask's tile, flex's default
+
+
+def flex_row_widths(max_len: int, cuda: bool, block_size: int = FLEX_BLOCK_SIZE) -> tuple[int, ...]:
+    """The row widths a flex_attention batch pads to: on CUDA powers of two from one block up to ``max_len``
+    rounded up to a whole block, and that rounded ``max_len`` (128, 256, ..., 4096, 5120 for 5000); elsewhere the
+    rounded ``max_len`` alone.
+
+    Why: flex_attention runs a kernel compiled for the batch's shapes (the BlockMask's follow the row width): the
+    first width compiles a static kernel, the next one a dynamic kernel. With widths from a short list every batch
+    of one width reuses one kernel, and every block is whole (full blocks skip the mask function); packs near
+    ``max_len``, the common case, pad by less than a block, and only shorter rows pay up to 2x. torch 2.13's CPU
+    flex template cannot compile the dynamic kernel (a C++ error), so off CUDA every batch takes the one width."""
+    top = -(-max_len // block_size) * block_size
+    widths = []
+    width = block_size
+    while cuda and width < top:
+        widths.append(width)
+        width *= 2
+    return (*widths, top)
 
 
 def packed_predicate(segment_ids: torch.Tensor, predicate: Predicate = CAUSAL) -> Predicate:
@@ -37,7 +57,7 @@ def dense_mask(segment_ids: torch.Tensor, predicate: Predicate = CAUSAL,
     return torch.where(allowed, torch.zeros((), dtype=dtype, device=segment_ids.device), torch.finfo(dtype).min)
 
 
-def block_mask(segment_ids: torch.Tensor, predicate: Predicate = CAUSAL, block_size: int = 128):
+def block_mask(segment_ids: torch.Tensor, predicate: Predicate = CAUSAL, block_size: int = FLEX_BLOCK_SIZE):
     """A flex ``BlockMask`` (B, 1, L, L) with :func:`dense_mask`'s pattern, from the predicate's ``tiles``: a block
     pair is skipped when no pair in it may attend, *full* (mask function skipped) when all do and both blocks are
     whole, *partial* otherwise. Uncompiled ``create_block_mask`` would evaluate the mask on every (q, k) pair

@@ -23,16 +23,24 @@ class MLLMCollator:
     ``position_ids`` one fresh run 0,1,2,... for the padding, the per-token fields of ``TOKEN_FIELD_PADS`` any row
     carries their inactive value (a row without the field: all of it), and emits batch-level ``cu_seqlens`` over
     the flattened rows in which each row's padding run is a segment of its own.
+
+    The common length is the longest row's, raised to the smallest of ``widths`` that holds it (none: the longest
+    row's own), then rounded up to ``pad_to_multiple_of``. ``widths`` keep the batch shapes few where a kernel is
+    compiled per shape.
     """
 
-    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None):
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None, widths: Sequence[int] = ()):
         if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
             raise ValueError(f"pad_to_multiple_of={pad_to_multiple_of} is invalid: allowed null or an int >= 1")
+        if any(not isinstance(width, int) or width < 1 for width in widths):
+            raise ValueError(f"widths={list(widths)} is invalid: allowed ints >= 1")
         self.pad_token_id = pad_token_id
         self.pad_to_multiple_of = pad_to_multiple_of
+        self.widths = tuple(sorted(widths))
 
     def padded_length(self, longest: int) -> int:
         multiple = self.pad_to_multiple_of or 1
+        longest = next((width for width in self.widths if width >= longest), longest)
         return max(multiple, math.ceil(longest / multiple) * multiple)
 
     def __call__(self, rows: Sequence[dict]) -> dict:
