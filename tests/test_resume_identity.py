@@ -93,7 +93,8 @@ def test_elastic_changes_keep_the_identity(data, tmp_path):
     elastic = identity(data, "train.num_workers=2", "train.keep_last=1", "train.save_every_steps=3",
                        "train.log_every=1", "train.eval_every_steps=5", "train.micro_batch_size=1",
                        "train.gradient_accumulation_steps=2", f"train.output_dir={tmp_path / 'elsewhere'}",
-                       "data.measure_workers=1", "data.cache_dir=" + str(tmp_path / "cache"))
+                       "data.measure_workers=1", "data.cache_dir=" + str(tmp_path / "cache"),
+                       "train.dist_timeout_s=60", "train.deterministic=true")
     assert check_identity(load_run_state(saved).identity, elastic, saved) is None
 
 

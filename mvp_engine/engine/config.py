@@ -22,7 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 from transformers import SchedulerType
 
 from mvp_engine.kit.mllm.data import MLLMDataSpec, MLLMPackingAssembler, MLLMPackingSpec, MLLMRecordError, source_kind
-from mvp_engine.packing import ATTENTION_BACKENDS, BACKENDS, SDPA_VARLEN
+from mvp_engine.packing import ATTENTION_BACKENDS, BACKENDS, FLASH_BACKENDS, SDPA_VARLEN
 
 from . import run_dir  # noqa: F401  (registers the ${run_stamp:...} resolver the configs use)
 from .config_errors import omegaconf_error_line
@@ -32,7 +32,10 @@ from .trackers import check_report_to
 
 AUTO_ATTENTION = "auto"  # resolved per machine and run kind by resolve_attention
 AUTO_THREADS = "auto"  # train.num_threads: this process's share of the cores (launch.threads_for)
+AUTO_PRECISION = "auto"  # train.mixed_precision: bf16 on CUDA, no on the CPU (resolve_mixed_precision)
 MIXED_PRECISION = ("no", "bf16", "fp16")
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+HALF_DTYPES = tuple(AUTOCAST_DTYPES.values())  # what flash attention kernels compute in
 SHARDINGS = ("none", "fsdp2")  # train.sharding (mvp_engine.engine.sharding)
 # The Hydra config root: conf/<recipe>.yaml is each recipe's primary config.
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -61,7 +64,7 @@ class TrainSpec:
     num_workers: int = 0
     seed: int = 0
     log_every: int = 10  # optimizer steps between metric lines
-    mixed_precision: str = "no"
+    mixed_precision: str = AUTO_PRECISION  # no, bf16, fp16 or auto (bf16 on CUDA, no on the CPU)
     output_dir: str | None = None  # None: outputs/run (Hydra runs fill in their run directory)
     save_every_steps: int = 0  # 0: no periodic checkpoint (a SIGTERM still saves one)
     keep_last: int = 2  # complete checkpoints kept; older ones are deleted only after a newer one is complete
@@ -74,10 +77,14 @@ class TrainSpec:
     eval_every_steps: int = 0  # evaluate data.eval_sources every that many optimizer steps; 0: at the end only
     report_to: list[str] = field(default_factory=list)  # trackers: tensorboard, wandb, mlflow (trackers.py)
     num_threads: int | str = AUTO_THREADS  # torch's CPU threads per process; auto: launch.threads_for
+    # how long a rank waits at a collective before the run fails: rank 0 alone reads a pretrained model under FSDP2
+    # while the others wait at its broadcast, and torch's NCCL default (10 min) is shorter than reading a large one
+    dist_timeout_s: int = 1800
+    deterministic: bool = False  # deterministic kernels (launch.use_deterministic): CUDA runs repeat bit for bit
 
     def __post_init__(self) -> None:
         for name in ("epochs", "micro_batch_size", "gradient_accumulation_steps", "log_every", "keep_last",
-                     "context_parallel_size"):
+                     "context_parallel_size", "dist_timeout_s"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"train.{name}={getattr(self, name)!r} is invalid: allowed an int >= 1")
         for name in ("num_workers", "save_every_steps", "seed", "eval_every_steps"):
@@ -105,9 +112,9 @@ class TrainSpec:
         if self.sharding == "fsdp2" and self.mixed_precision == "fp16":
             raise ConfigError("train.mixed_precision='fp16' is not supported under train.sharding=fsdp2 (its loss "
                               "scaler would not see the sharded gradients): use 'bf16'")
-        if self.mixed_precision not in MIXED_PRECISION:
+        if self.mixed_precision not in (*MIXED_PRECISION, AUTO_PRECISION):
             raise ConfigError(f"train.mixed_precision={self.mixed_precision!r} is invalid: allowed one of "
-                              f"{list(MIXED_PRECISION)}")
+                              f"{[*MIXED_PRECISION, AUTO_PRECISION]}")
         if self.mixed_precision == "fp16" and not cuda_in_use():
             raise ConfigError("train.mixed_precision='fp16' needs a CUDA GPU: use 'bf16' or 'no' on the CPU")
         if self.peak_tflops is not None and not (isinstance(self.peak_tflops, (int, float)) and self.peak_tflops > 0):
@@ -231,6 +238,7 @@ class RunSpecs:
     train: TrainSpec
     attention: str
     model: ModelSpec = field(default_factory=ModelSpec)
+    attention_why: str = ""  # how attention was chosen (choose_attention), for the start line
 
 
 def schema_without(spec: type, *left_out: str) -> type:
@@ -267,21 +275,56 @@ def compose_config(config_name: str, overrides: list[str] | tuple[str, ...] = ()
     return cfg
 
 
-def check_attention(name: str, supported: tuple[str, ...], training: bool = True) -> None:
-    """A backend this recipe and this machine can run (train with, unless ``training=False``: forward only), or one
-    line saying why not."""
+def package_available(package: str) -> bool:
+    """Whether ``package`` imports here. With ``cuda_in_use`` it is what the backend choice asks of the machine, so a
+    test poses as a machine with CUDA and flash-attn by replacing the two."""
+    return importlib.util.find_spec(package) is not None
+
+
+def resolve_mixed_precision(setting: str) -> str:
+    """``train.mixed_precision=auto``: ``bf16`` on CUDA (autocast over fp32 master weights: the tensor cores' rate,
+    and the only precision flash attention computes in), ``no`` on the CPU (fp32, where the project's exactness
+    checks run); any other value is kept. Resolved once, with the run's specs: everything after reads the result."""
+    if setting != AUTO_PRECISION:
+        return setting
+    return "bf16" if cuda_in_use() else "no"
+
+
+def compute_dtype(mixed_precision: str, model_dtype: str) -> torch.dtype:
+    """The dtype attention computes in: autocast's under a resolved ``train.mixed_precision`` of bf16 / fp16 (FSDP2's
+    policy casts the parameters to the same), else the weights' own ``model.dtype``."""
+    return AUTOCAST_DTYPES.get(mixed_precision, getattr(torch, model_dtype))
+
+
+def attention_obstacle(name: str, supported: tuple[str, ...], training: bool = True,
+                       dtype: torch.dtype | None = None) -> str | None:
+    """Why this recipe and this machine cannot run ``name`` (train with, unless ``training=False``: forward only)
+    computing in ``dtype``, worded to follow the backend's name; None when they can. ``dtype`` None: the caller
+    casts to what the backend needs (the equivalence checks run flash in bf16)."""
     if name not in ATTENTION_BACKENDS:
-        raise ConfigError(f"attention.implementation={name!r} is unknown: allowed one of "
-                          f"{[AUTO_ATTENTION, *ATTENTION_BACKENDS]}")
+        return f"is unknown: allowed one of {[AUTO_ATTENTION, *ATTENTION_BACKENDS]}"
     if name not in supported:
-        raise ConfigError(f"attention.implementation={name!r} is not supported here: allowed {list(supported)}")
+        return f"is not supported here: allowed {list(supported)}"
     backend = BACKENDS[name]
     if backend.package is not None:
-        if not cuda_in_use() or importlib.util.find_spec(backend.package) is None:
-            raise ConfigError(f"attention.implementation={name!r} needs a CUDA GPU and the {backend.package} package")
+        if not cuda_in_use() or not package_available(backend.package):
+            return f"needs a CUDA GPU and the {backend.package} package"
     elif backend.needs_cuda and training and not cuda_in_use():
-        raise ConfigError(f"attention.implementation={name!r} needs a CUDA GPU to train: torch's FlexAttention has no "
-                          "CPU backward (forward-only checks run on CPU)")
+        return "needs a CUDA GPU to train: torch's FlexAttention has no CPU backward (forward-only checks run on CPU)"
+    if dtype is not None and name in FLASH_BACKENDS and dtype not in HALF_DTYPES:
+        # transformers only warns at load; the kernel refuses float32 at the first step
+        return (f"computes in bf16 or fp16 only, and this run computes in {str(dtype).removeprefix('torch.')}: set "
+                "train.mixed_precision=bf16 (or model.dtype=bfloat16), or another attention.implementation")
+    return None
+
+
+def check_attention(name: str, supported: tuple[str, ...], training: bool = True,
+                    dtype: torch.dtype | None = None) -> None:
+    """A backend this recipe and this machine can run in ``dtype`` (:func:`attention_obstacle`), or one line saying
+    why not."""
+    obstacle = attention_obstacle(name, supported, training, dtype)
+    if obstacle is not None:
+        raise ConfigError(f"attention.implementation={name!r} {obstacle}")
 
 
 def backward_available(backend: str, device: str | torch.device) -> bool:
@@ -291,23 +334,33 @@ def backward_available(backend: str, device: str | torch.device) -> bool:
     return not BACKENDS[backend].needs_cuda or torch.device(device).type == "cuda"
 
 
-def resolve_attention(name: str, supported: tuple[str, ...], packed: bool) -> str:
-    """``attention=auto``: the fastest exact backend this machine trains with, chosen per run kind. Packed runs
-    avoid the dense L x L block mask (``sdpa_varlen`` costs the sum of squared segment lengths; at 4 k tokens it
-    was 3x faster than the sdpa mask in ``tools/bench_long.py``); unpacked runs keep sdpa with its padding mask,
-    what a padded transformers run uses. flash_attention_2 wins wherever it can run. Any other name is kept."""
+def choose_attention(name: str, supported: tuple[str, ...], packed: bool,
+                     dtype: torch.dtype | None = None) -> tuple[str, str]:
+    """The backend a run uses and why, for its start line. ``attention=auto``: the fastest exact backend this machine
+    trains with in the run's compute ``dtype``, chosen per run kind. Packed runs avoid the dense L x L block mask
+    (``sdpa_varlen`` costs the sum of squared segment lengths; at 4 k tokens it was 3x faster than the sdpa mask in
+    ``tools/bench_long.py``); unpacked runs keep sdpa with its padding mask, what a padded transformers run uses.
+    flash_attention_2 wins wherever it can run: on CUDA with flash-attn, computing in bf16 or fp16. Any other name is
+    kept (``check_attention`` judges it)."""
+    kind = "packed" if packed else "unpacked"
     if name != AUTO_ATTENTION:
-        return name
+        return name, f"{kind} run, set by attention.implementation"
     preferred = ("flash_attention_2", SDPA_VARLEN, "sdpa") if packed else ("flash_attention_2", "sdpa")
-    for candidate in preferred:
-        if candidate not in supported:
-            continue
-        try:
-            check_attention(candidate, supported)
-        except ConfigError:
-            continue
-        return candidate
+    offered = [candidate for candidate in preferred if candidate in supported]
+    computing = "" if dtype is None else f" computing in {str(dtype).removeprefix('torch.')}"
+    skipped = []
+    for candidate in offered:
+        obstacle = attention_obstacle(candidate, supported, dtype=dtype)
+        if obstacle is None:
+            why = "; ".join(skipped) or f"the first of {', '.join(offered)} it can train with"
+            return candidate, f"{kind} run{computing}, auto: {why}"
+        skipped.append(f"{candidate} {obstacle}")
     raise ConfigError(f"attention.implementation=auto found no backend to train with among {list(supported)}")
+
+
+def resolve_attention(name: str, supported: tuple[str, ...], packed: bool, dtype: torch.dtype | None = None) -> str:
+    """The backend :func:`choose_attention` chooses."""
+    return choose_attention(name, supported, packed, dtype)[0]
 
 
 def _to_object(node: DictConfig, schema: type, key: str):
@@ -359,10 +412,13 @@ def resolve_run_specs(cfg: DictConfig, supported_attention: tuple[str, ...]) -> 
             source_kind(source.path)
         except MLLMRecordError as err:
             raise ConfigError(f"data.eval_sources: {err}") from None
-    train = train_spec(cfg)
-    attention = resolve_attention(str(cfg.attention.implementation), supported_attention, packed=packing is not None)
-    check_attention(attention, supported_attention)
-    return RunSpecs(data=data, demo=demo, train=train, attention=attention, model=model_spec(cfg.get("model")))
+    train, model = train_spec(cfg), model_spec(cfg.get("model"))
+    train.mixed_precision = resolve_mixed_precision(train.mixed_precision)
+    dtype = compute_dtype(train.mixed_precision, model.dtype)
+    attention, why = choose_attention(str(cfg.attention.implementation), supported_attention, packing is not None,
+                                      dtype)
+    check_attention(attention, supported_attention, dtype=dtype)
+    return RunSpecs(data=data, demo=demo, train=train, attention=attention, model=model, attention_why=why)
 
 
 register_configs()

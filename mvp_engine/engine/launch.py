@@ -14,11 +14,12 @@ import json
 import logging
 import os
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import ProjectConfiguration
+from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
 
 from .config import AUTO_THREADS, ConfigError
 from .device import cuda_in_use
@@ -30,7 +31,7 @@ def fsdp_requested() -> bool:
 
 
 def build_accelerator(mixed_precision: str, sharding: str = "none", report_to: list[str] | None = None,
-                      run_dir: Path | None = None) -> Accelerator:
+                      run_dir: Path | None = None, timeout_s: int | None = None) -> Accelerator:
     """The run's accelerator: CUDA when present (NCCL under a launcher), else the CPU (gloo under a launcher);
     ``VLM_PACKING_DEVICE=cpu`` (``device.py``) asks for the CPU on a machine with CUDA.
 
@@ -38,7 +39,9 @@ def build_accelerator(mixed_precision: str, sharding: str = "none", report_to: l
     itself (``sharding.py``), and the accelerator only sets up the process group and the device. An accelerate
     FSDP config (``conf/accelerate/fsdp2.yaml``) without ``train.sharding=fsdp2`` is refused: accelerate would wrap
     the model in DDP on a CPU machine, so the launch alone must not decide what runs. ``report_to`` is
-    ``train.report_to`` (``trackers.py``): TensorBoard writes under ``<run_dir>/tensorboard``.
+    ``train.report_to`` (``trackers.py``): TensorBoard writes under ``<run_dir>/tensorboard``. ``timeout_s`` is
+    ``train.dist_timeout_s``, how long the process group's collectives wait (None: torch's default, 10 minutes on
+    NCCL); the mesh's groups spanning every rank are that group, so FSDP2's broadcast of rank 0's weights waits it.
     """
     if fsdp_requested() and sharding != "fsdp2":
         raise ConfigError(f"train.sharding={sharding!r}, but the accelerate config asks for FSDP (distributed_type: "
@@ -47,8 +50,23 @@ def build_accelerator(mixed_precision: str, sharding: str = "none", report_to: l
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # its per-file save/load lines drown the step log
     project = None if run_dir is None else ProjectConfiguration(project_dir=str(run_dir),
                                                                 logging_dir=str(run_dir / "tensorboard"))
+    handlers = [] if timeout_s is None else [InitProcessGroupKwargs(timeout=timedelta(seconds=timeout_s))]
     return Accelerator(cpu=not cuda, mixed_precision=mixed_precision, log_with=list(report_to or []) or None,
-                       project_config=project)
+                       project_config=project, kwargs_handlers=handlers)
+
+
+def use_deterministic(enabled: bool) -> None:
+    """``train.deterministic``: torch's deterministic algorithms (an op without one stops the run naming it), the
+    fixed cuBLAS workspace torch needs for deterministic CUDA matmuls (set before the first one; a value already in
+    the environment is kept) and flash-attn's deterministic backward (transformers reads
+    ``FLASH_ATTENTION_DETERMINISTIC`` on every call), so that 2 ranks == 1 rank and an exact resume can be checked
+    on a GPU. Off by default: the deterministic kernels are slower. Off leaves the process as it is."""
+    if not enabled:
+        return
+    if cuda_in_use():
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    os.environ["FLASH_ATTENTION_DETERMINISTIC"] = "1"
+    torch.use_deterministic_algorithms(True)
 
 
 def end_processes() -> None:

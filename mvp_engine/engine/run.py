@@ -39,7 +39,7 @@ from .checkpoint_folder import check_checkpoint_fits, check_checkpoint_folder
 from .config import ConfigError, RunSpecs, TrainSpec, resolve_run_specs
 from .evaluation import Evaluator, build_evaluator
 from .flops import recipe_cost_profile
-from .launch import build_accelerator
+from .launch import build_accelerator, use_deterministic
 from .model_folder import check_model_folder
 from .parallel import ParallelLayout, build_layout, parallelize, plan_layout
 from .participation import ParameterReport, media_kinds
@@ -173,15 +173,19 @@ def _assemble(cfg: DictConfig, recipe: Recipe, specs: RunSpecs, purpose: str) ->
 
 def _start(specs: RunSpecs, training: bool) -> tuple[Accelerator, Path]:
     """The accelerator and the run directory, once the data is known to be there (one line saying what to do
-    before any model is built); a training run's seed is set here, before anything draws from it."""
+    before any model is built); a training run's seed is set here, before anything draws from it, and
+    ``train.deterministic`` before anything computes."""
     train = specs.train
+    use_deterministic(train.deterministic)
     if not training:
         if not specs.data.eval_sources:
             raise ConfigError("data.eval_sources is empty: name the records to evaluate on (data.eval_sources=[...])")
-        return build_accelerator(train.mixed_precision), Path(train.output_dir or "outputs/eval")
+        return (build_accelerator(train.mixed_precision, timeout_s=train.dist_timeout_s),
+                Path(train.output_dir or "outputs/eval"))
     run_data_spec(specs)
     output_dir = Path(train.output_dir or "outputs/run")
-    accelerator = build_accelerator(train.mixed_precision, train.sharding, train.report_to, output_dir)
+    accelerator = build_accelerator(train.mixed_precision, train.sharding, train.report_to, output_dir,
+                                    train.dist_timeout_s)
     set_seed(train.seed)
     return accelerator, output_dir
 

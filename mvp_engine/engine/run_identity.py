@@ -35,6 +35,10 @@ ELASTIC = {
     "train.report_to", "train.eval_every_steps", "train.peak_tflops", "train.time_barrier",
     # how the same math is laid out: loader processes, sharding (DCP reshards), recomputation
     "train.num_workers", "train.num_threads", "train.sharding", "train.activation_checkpointing", "attention",
+    # how long a collective waits; and whether kernels repeat bit for bit: deterministic kernels compute the same
+    # objective in a fixed order (a nondeterministic run already differs in its last bits from run to run), so
+    # switching it on to check a resumed run is the same run
+    "train.dist_timeout_s", "train.deterministic",
     # where and how lengths are measured (the cache keys on content), and whether bad records stop the run
     "data.cache_dir", "data.measure_cache", "data.measure_workers", "data.on_bad_record", "data.max_bad_fraction",
     # the format of the final save, not what is trained

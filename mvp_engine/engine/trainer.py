@@ -174,8 +174,8 @@ class Trainer:
         sharded: FSDP2's is built over the shards) and the schedule."""
         model = self.model
         if self.accelerator.is_main_process:
-            print(f"{describe_processes(self.accelerator)}; attention {self.specs.attention} "
-                  f"({'packed' if self.parts.packed else 'unpacked'})")
+            print(f"{describe_processes(self.accelerator)}; mixed_precision {self.specs.train.mixed_precision}; "
+                  f"attention {self.specs.attention} ({self.specs.attention_why})")
             print(self.parts.parameters.describe())
             if is_sharded(model):
                 print(describe_sharding(model))
