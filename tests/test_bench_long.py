@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from mvp_engine.engine.testkit.runs import spawn_on_pool
 from tools import bench_long as bench
 
 TINY = ["--lengths", "128", "256", "--hidden", "64", "--intermediate", "128", "--layers", "1", "--heads", "2",
@@ -227,8 +228,11 @@ def test_cp_targets_judge_saved_bytes_and_vision_at_8192_and_growth():
 def test_context_parallel_command_splits_saved_bytes_and_vision_work(tmp_path, monkeypatch):
     """``--context-parallel 2`` starts its own 2 gloo ranks: per rank about half the saved bytes and exactly half
     the vision FLOPs of CP = 1 on the same row (4 images of the same size: 2 per rank). The command's ``main``, in
-    this process (its ranks are the fresh processes it spawns)."""
+    this process; the ranks it spawns (``torch.multiprocessing.spawn``, CP = 1 then CP = 2) run on the session's
+    pooled ranks (``spawn_on_pool``): bytes and FLOPs are counted inside each rank's forward, whichever process
+    started it, and 3 fresh interpreters cost ~15 s of imports."""
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(torch.multiprocessing, "spawn", spawn_on_pool)
     path = tmp_path / "bench.json"
     bench.main(["--lengths", "1024", "--hidden", "64", "--intermediate", "128", "--layers", "1", "--heads", "2",
                 "--kv-heads", "2", "--segment-median", "1024", "--repeats", "1", "--backends", "sdpa_varlen",

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from mvp_engine.engine.testing import LAUNCH_ENV
+from mvp_engine.engine.testkit.runs import spawn_on_pool
 from tools import bench_memory as bench
 
 TINY = ["--length", "512", "--state-length", "256", "--samples", "16", "--hidden", "64", "--intermediate", "128",
@@ -53,11 +54,14 @@ def test_ok_and_miss_are_decided_by_the_targets(fsdp_totals, saved_ratio, expect
 
 @pytest.mark.launch
 def test_the_command_measures_on_two_ranks_and_its_numbers_hold(tmp_path, monkeypatch, capfd):
-    """The command's ``main`` with its arguments, in this process (a fresh interpreter for it cost ~8 s of imports;
-    its two ranks are still the fresh processes it starts), in the environment and folder a launch would have."""
+    """The command's ``main`` with its arguments, in this process (a fresh interpreter for it cost ~8 s of imports),
+    in the environment and folder a launch would have; its two ranks (``torch.multiprocessing.spawn``) run on the
+    session's pooled ranks (``spawn_on_pool``): what a rank holds after its step is counted from its tensors,
+    whichever process started it, and two fresh interpreters cost ~10 s of imports."""
     for key, value in LAUNCH_ENV.items():
         monkeypatch.setenv(key, value)
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(torch.multiprocessing, "spawn", spawn_on_pool)
     out = tmp_path / "bench.json"
     returned = bench.main([*TINY, "--workdir", "work", "--json", str(out)])
     stdout = capfd.readouterr().out

@@ -311,6 +311,17 @@ def run_on_ranks(nproc: int, fn, *args, timeout: float = 600) -> list:
     return [value for _, value, _, _ in ranks]
 
 
+def spawn_on_pool(fn, args: tuple = (), nprocs: int = 1, join: bool = True, **_) -> None:
+    """A stand-in for ``torch.multiprocessing.spawn`` that a test sets (``monkeypatch``) where a tool starts its
+    ranks that way and the fresh interpreters are not what the test checks: ``fn(rank, *args)`` runs on ``nprocs``
+    of the session's pooled ranks (``run_on_ranks``: their own processes and process groups, forked ready) instead
+    of ``nprocs`` interpreters importing torch and the engine again (~5-10 s each). Fails, as ``spawn`` raises, when
+    a rank does."""
+    if not join:
+        raise NotImplementedError("spawn_on_pool runs the ranks to their end (join=True)")
+    run_on_ranks(nprocs, fn, *args)
+
+
 _CACHE: dict[tuple, Path] = {}
 _ROOT: list[Path] = []
 
