@@ -32,6 +32,9 @@ from .trackers import check_report_to
 
 AUTO_ATTENTION = "auto"  # resolved per machine and run kind by resolve_attention
 AUTO_THREADS = "auto"  # train.num_threads: this process's share of the cores (launch.threads_for)
+# train.loss_impl: chunked projects the supervised positions a chunk at a time (linear_loss.py); full takes the
+# model's whole logits (loss.py), the reference the chunked path is tested against
+LOSS_IMPLS = ("chunked", "full")
 AUTO_PRECISION = "auto"  # train.mixed_precision: bf16 on CUDA, no on the CPU (resolve_mixed_precision)
 MIXED_PRECISION = ("no", "bf16", "fp16")
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -59,6 +62,8 @@ class TrainSpec:
     warmup_ratio: float = 0.05
     max_grad_norm: float = 1.0
     loss_reduction: str = "token"
+    loss_impl: str = "full"  # chunked or full (LOSS_IMPLS)
+    loss_chunk_tokens: int = 512  # positions the chunked loss projects at once: its peak is ~8 bytes x this x vocab
     drop_last: bool = False
     pad_to_multiple_of: int | None = None  # null: the longest row; flex_attention: a few widths (row_widths.py)
     num_workers: int = 0
@@ -84,7 +89,7 @@ class TrainSpec:
 
     def __post_init__(self) -> None:
         for name in ("epochs", "micro_batch_size", "gradient_accumulation_steps", "log_every", "keep_last",
-                     "context_parallel_size", "dist_timeout_s"):
+                     "context_parallel_size", "dist_timeout_s", "loss_chunk_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"train.{name}={getattr(self, name)!r} is invalid: allowed an int >= 1")
         for name in ("num_workers", "save_every_steps", "seed", "eval_every_steps"):
@@ -93,6 +98,8 @@ class TrainSpec:
         if self.loss_reduction not in REDUCTIONS:
             raise ConfigError(f"train.loss_reduction={self.loss_reduction!r} is invalid: allowed one of "
                               f"{list(REDUCTIONS)}")
+        if self.loss_impl not in LOSS_IMPLS:
+            raise ConfigError(f"train.loss_impl={self.loss_impl!r} is invalid: allowed one of {list(LOSS_IMPLS)}")
         if not self.learning_rate > 0:
             raise ConfigError(f"train.learning_rate={self.learning_rate!r} is invalid: allowed a float > 0")
         if not 0 <= self.warmup_ratio < 1:

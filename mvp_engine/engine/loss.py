@@ -55,12 +55,19 @@ def _in_span(per_target: torch.Tensor, span: tuple[int, int] | None, last) -> to
     return per_target if span is None else F.pad(per_target, (0, 1), value=last)[:, span[0]:span[1]]
 
 
+def shifted_targets(labels: torch.Tensor, span: tuple[int, int] | None = None) -> torch.Tensor:
+    """The token each position predicts (``labels`` shifted by one, ``IGNORE_INDEX`` where none is supervised):
+    ``[B, L-1]``, or with ``span`` those of positions ``[start, end)`` (``[B, end - start]``). Shifted on the whole
+    rows before the span is taken, so a CP rank's last position predicts the next rank's first token."""
+    return _in_span(labels[:, 1:], span, IGNORE_INDEX)
+
+
 def weighted_token_loss(logits: torch.Tensor, labels: torch.Tensor, segment_ids: torch.Tensor,
                         reduction: str, span: tuple[int, int] | None = None) -> WeightedTokenLoss:
     """Cross-entropy of next-token prediction, summed with the reduction's weights; ``span``: ``logits`` are those
     of positions ``[start, end)`` of the rows (a CP rank's chunk)."""
     weights = token_weights(labels, segment_ids, reduction, span)
-    targets = _in_span(labels[:, 1:], span, IGNORE_INDEX).clamp(min=0)
+    targets = shifted_targets(labels, span).clamp(min=0)
     predicting = logits[:, :-1] if span is None else logits
     per_token = F.cross_entropy(predicting.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                 reduction="none").reshape(targets.shape)

@@ -1,0 +1,179 @@
+"""The loss without the logits (``train.loss_impl=chunked``): the model's final hidden states projected by its own
+output head a chunk of supervised positions at a time.
+
+Why: full logits ``[B, L, V]`` and the fp32 copies cross-entropy keeps for backward cost about 10-14 bytes per
+token x vocabulary, more than a 7B model's whole state for one packed 32k row at a 152k-262k vocabulary, and
+packing fills every row; image tokens and prompts, which are not supervised, were projected too.
+
+How: :class:`HeadInputs`, entered around the model's forward, keeps what the model hands its output head (the module
+``get_output_embeddings()`` returns: a tied embedding, a LoRA-wrapped head or a ``modules_to_save`` copy alike,
+since it is the module the model itself calls) and lets the model project only each row's first position. Of the
+kept hidden states, only the positions whose shifted target is supervised are gathered (labels shifted on the whole
+rows, then this context-parallel rank's ``span``, as :mod:`.loss` does); they are projected ``chunk_tokens`` at a
+time, each chunk's log-sum-exp and target logit taken in fp32 under ``torch.utils.checkpoint``: the forward keeps
+only the chunk's log-probabilities and its backward recomputes the chunk's logits, so no ``positions x V`` tensor
+lives across chunks and the loss's peak is about 8 bytes x ``chunk_tokens`` x V.
+
+The first-position logits the model still computes prove, on every forward, that the head reproduced here is the
+model's (its projection and ``final_logit_softcapping`` where the text config sets one): a model whose head does
+more is refused with one line rather than trained on another objective.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from mvp_engine.kit.mllm.data import IGNORE_INDEX
+from mvp_engine.packing import unwrap_model
+
+from .config import ConfigError, TrainSpec
+from .loss import WeightedTokenLoss, shifted_targets, token_weights
+
+FULL = "train.loss_impl=full"
+CHUNK_TOKENS = TrainSpec.loss_chunk_tokens
+# the model's first-position logits against this module's projection of them: within 1 % (about two bf16 steps),
+# far inside what a head transform left out changes
+PROBE_RTOL, PROBE_ATOL = 1e-2, 1e-3
+
+
+class _TargetLogProb(torch.autograd.Function):
+    """``log_softmax(logits)[target]`` per row in fp32, keeping only the logits (in their own dtype) and the
+    log-sum-exp for backward, whose gradient ``onehot - softmax`` is formed in place in one fp32 buffer."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        wide = logits.float()
+        lse = torch.logsumexp(wide, dim=-1)
+        ctx.save_for_backward(logits, targets, lse)
+        return wide.gather(1, targets.unsqueeze(1)).squeeze(1) - lse
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, targets, lse = ctx.saved_tensors
+        gradient = logits.to(torch.float32, copy=True).sub_(lse.unsqueeze(1)).exp_()
+        gradient.scatter_add_(1, targets.unsqueeze(1), gradient.new_full((len(targets), 1), -1.0))
+        return gradient.mul_(-grad.unsqueeze(1)).to(logits.dtype), None
+
+
+def project(head: torch.nn.Module, hidden: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Logits as the model forms them: its head, then soft-capping (``cap * tanh(logits / cap)``, in the logits'
+    dtype and order of operations) where the model has it."""
+    logits = head(hidden)
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
+
+
+def _chunk_logprobs(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module,
+                    softcap: float | None) -> torch.Tensor:
+    return _TargetLogProb.apply(project(head, hidden, softcap), targets)
+
+
+def target_logprobs(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module, chunk_tokens: int,
+                    softcap: float | None = None) -> torch.Tensor:
+    """``log p(target)`` (fp32) of each row of ``hidden`` ``[N, H]`` with ``targets`` ``[N]``, ``chunk_tokens`` rows
+    projected at a time; under autograd each chunk is checkpointed, so its logits are recomputed in backward."""
+    pieces = []
+    for start in range(0, len(targets), chunk_tokens):
+        rows, wanted = hidden[start:start + chunk_tokens], targets[start:start + chunk_tokens]
+        if torch.is_grad_enabled():
+            pieces.append(checkpoint(_chunk_logprobs, rows, wanted, head, softcap, use_reentrant=False))
+        else:
+            pieces.append(_chunk_logprobs(rows, wanted, head, softcap))
+    return torch.cat(pieces) if pieces else hidden.new_zeros(0, dtype=torch.float32)
+
+
+def supervised_rows(hidden: torch.Tensor, labels: torch.Tensor, span: tuple[int, int] | None = None):
+    """The hidden states ``[N, H]`` of the positions whose shifted target is supervised, those targets ``[N]``, and
+    where they sit (``[B, L-1]``, or ``[B, end - start]`` with ``span``: ``hidden`` is then positions
+    ``[start, end)`` of the rows)."""
+    targets = shifted_targets(labels, span)
+    predicting = hidden[:, :-1] if span is None else hidden
+    where = targets != IGNORE_INDEX
+    return predicting[where], targets[where], where
+
+
+def chunked_token_loss(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor,
+                       segment_ids: torch.Tensor, reduction: str, span: tuple[int, int] | None = None,
+                       chunk_tokens: int = CHUNK_TOKENS, softcap: float | None = None) -> WeightedTokenLoss:
+    """:func:`.loss.weighted_token_loss` from the hidden states the head projects (``[B, L, H]``, or this CP rank's
+    ``span`` of the rows) instead of the logits: the same weights, the same fp32 cross-entropy."""
+    weights = token_weights(labels, segment_ids, reduction, span)
+    rows, targets, where = supervised_rows(hidden, labels, span)
+    logprobs = target_logprobs(rows, targets, head, chunk_tokens, softcap)
+    return WeightedTokenLoss(-(logprobs * weights[where].to(logprobs.dtype)).sum(), weights.sum())
+
+
+def chunked_token_logprobs(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor,
+                           span: tuple[int, int] | None = None, chunk_tokens: int = CHUNK_TOKENS,
+                           softcap: float | None = None) -> torch.Tensor:
+    """Per-token ``log p(next token)`` of a packed batch (fp32, ``[B, L-1]`` or the ``span``'s width), 0 where the
+    target is not supervised: what a preference loss or an RL engine needs, without the logits (differentiable)."""
+    rows, targets, where = supervised_rows(hidden, labels, span)
+    logprobs = target_logprobs(rows, targets, head, chunk_tokens, softcap)
+    return logprobs.new_zeros(where.shape).masked_scatter(where, logprobs)
+
+
+class HeadInputs:
+    """Entered around one forward of ``model``: keeps the hidden states the model hands its output head and lets it
+    project only each row's first position. Then :meth:`loss` or :meth:`token_logprobs`, given that forward's
+    ``logits``, run the chunked path; call them under the forward's autocast, so the head computes in the same
+    precision it did inside the forward."""
+
+    def __init__(self, model):
+        inner = unwrap_model(model)
+        self.head = inner.get_output_embeddings()
+        if self.head is None:
+            raise ConfigError(f"train.loss_impl=chunked: {type(inner).__name__} names no output head "
+                              f"(get_output_embeddings() is None); use {FULL}")
+        if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.head.modules()):
+            raise ConfigError("train.loss_impl=chunked: the output head has dropout (an adapter on it with "
+                              f"model.lora.dropout > 0), which each chunk would draw anew; set it to 0 or use {FULL}")
+        self.softcap = getattr(inner.config.get_text_config(), "final_logit_softcapping", None)
+        self.model_name = type(inner).__name__
+        self.kept: list[torch.Tensor] = []
+
+    def __enter__(self) -> HeadInputs:
+        self.kept.clear()
+        self._handle = self.head.register_forward_pre_hook(self._keep)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._handle.remove()
+
+    def _keep(self, module, args):
+        if not args:
+            raise ConfigError(f"train.loss_impl=chunked: {self.model_name} calls its output head without positional "
+                              f"hidden states; use {FULL}")
+        self.kept.append(args[0])
+        return (args[0][..., :1, :], *args[1:])
+
+    def hidden(self, logits: torch.Tensor) -> torch.Tensor:
+        """The hidden states the forward that returned ``logits`` handed its head, once those logits (each row's
+        first position) are checked to be :func:`project` of them; one line otherwise."""
+        if len(self.kept) != 1:
+            raise ConfigError(f"train.loss_impl=chunked: {self.model_name} called its output head "
+                              f"{len(self.kept)} times in one forward, not once; use {FULL}")
+        hidden = self.kept[0]
+        with torch.no_grad():
+            ours = project(self.head, hidden[..., :1, :], self.softcap)
+        if ours.shape != logits.shape or not torch.allclose(ours.float(), logits.float(), PROBE_RTOL, PROBE_ATOL):
+            cap = f"final_logit_softcapping={self.softcap}" if self.softcap is not None else "no soft-capping"
+            raise ConfigError(f"train.loss_impl=chunked: {self.model_name}'s logits are not its output head's "
+                              f"projection with {cap} (its head does more); use {FULL}")
+        return hidden
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor, segment_ids: torch.Tensor, reduction: str,
+             span: tuple[int, int] | None = None, chunk_tokens: int = CHUNK_TOKENS) -> WeightedTokenLoss:
+        """:func:`chunked_token_loss` of the forward that returned ``logits``. Zero times those logits is added, so
+        the head and every layer below it take part in the backward (with zero gradients) on a micro-batch with
+        nothing supervised, as the full logits made them."""
+        part = chunked_token_loss(self.hidden(logits), self.head, labels, segment_ids, reduction, span,
+                                  chunk_tokens, self.softcap)
+        return WeightedTokenLoss(part.weighted_sum + logits.float().sum() * 0.0, part.weight_total)
+
+    def token_logprobs(self, logits: torch.Tensor, labels: torch.Tensor, span: tuple[int, int] | None = None,
+                       chunk_tokens: int = CHUNK_TOKENS) -> torch.Tensor:
+        """:func:`chunked_token_logprobs` of the forward that returned ``logits``."""
+        return chunked_token_logprobs(self.hidden(logits), self.head, labels, span, chunk_tokens, self.softcap)
