@@ -45,3 +45,21 @@ def test_two_ranks_train_what_one_rank_accumulating_two_trains(reduction, shardi
     assert summary["parameters"] == kit.read_summary(one_dir)["parameters"]
     if CASES[reduction] is None:  # 11 samples on 2 ranks: the last step pairs a sample with an all-padding row
         assert [m["packs"] for m in two][-1] == 1
+
+
+def test_fsdp2_syncing_on_a_step_s_last_micro_batch_trains_what_syncing_every_micro_batch_trains(tmp_path):
+    """``train.grad_sync=last`` reduce-scatters the summed gradients of an accumulation window once instead of each
+    micro-batch's: the same sum in another order. (Which costs less on a GPU, the reduce-scatters or the unsharded
+    fp32 gradients held until the last micro-batch, only a GPU can tell: ``every`` stays the default.) The start
+    line says how many loader processes each rank runs: the test kit pins 0."""
+    runs = {}
+    for sync in ("every", "last"):
+        out = kit.train(RECIPE, tmp_path / sync, [*common("token"), "train.sharding=fsdp2",
+                                                  "train.gradient_accumulation_steps=2", f"train.grad_sync={sync}"],
+                        nproc=2).stdout
+        assert "torch threads 1, data workers 0;" in out, out
+        runs[sync] = kit.read_metrics(tmp_path / sync)
+    every, last = runs["every"], runs["last"]
+    assert len(every) == len(last) >= 4 and [m["samples"] for m in every] == [m["samples"] for m in last]
+    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(every, last)) <= 1e-6
+    assert max(abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(every, last)) <= 1e-6

@@ -7,14 +7,17 @@ pretrained folder on rank 0 alone are in every recipe's ``DistributedSuite`` (re
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.distributed.device_mesh import init_device_mesh
 
 import mvp_engine.engine.testing as kit
 from mvp_engine.engine.config import ConfigError, TrainSpec
 from mvp_engine.engine.entry import run_recipe
 from mvp_engine.engine.sharding import clip_grad_norm_, shard_model
+from mvp_engine.engine.train_step import TrainStep, optimizer_and_schedule
 
 
 @pytest.fixture
@@ -79,3 +82,49 @@ def test_bf16_under_fsdp2_trains_from_fp32_master_weights(tmp_path):
     summary = kit.read_summary(tmp_path / "run")
     assert all(math.isfinite(loss) for loss in summary["losses"]) and summary["loss_last"] < summary["loss_first"]
     assert {w.dtype for w in kit.final_weights(tmp_path / "run").values()} == {torch.float32}
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + torch.tanh(self.linear(x))
+
+
+class _TinyLM(torch.nn.Module):
+    _no_split_modules = ["_Block"]
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.blocks, self.head = torch.nn.Embedding(16, 8), torch.nn.ModuleList([_Block(), _Block()]), \
+            torch.nn.Linear(8, 16)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        return SimpleNamespace(logits=self.head(x))
+
+
+@pytest.mark.parametrize("grad_sync,calls", [("every", []), ("last", [False, True])])
+def test_grad_sync_last_turns_fsdp2_gradient_sync_off_until_a_step_s_last_micro_batch(one_process_group, grad_sync,
+                                                                                       calls):
+    """``train.grad_sync=last``: FSDP2 keeps the accumulation window's gradients unsharded and reduce-scatters them
+    once, after the last micro-batch (``every``: after each). 2 real ranks train the same either way:
+    ``tests/test_distributed_matrix.py``."""
+    torch.manual_seed(0)
+    model = shard_model(_TinyLM(), "no", init_device_mesh("cpu", (1,)))
+    seen = []
+    original = model.set_requires_gradient_sync
+    model.set_requires_gradient_sync = lambda on, **kwargs: seen.append(on) or original(on, **kwargs)
+    accelerator = SimpleNamespace(device=torch.device("cpu"), num_processes=1, reduce=lambda t, reduction: t,
+                                  backward=lambda loss: loss.backward(), unscale_gradients=lambda: None)
+    train = TrainSpec(sharding="fsdp2", grad_sync=grad_sync, gradient_accumulation_steps=2)
+    step = TrainStep(accelerator, lambda batch, model, attention: {"input_ids": batch["input_ids"]}, "sdpa", {},
+                     train, media_kinds=())
+    ids = torch.randint(0, 16, (2, 1, 6))
+    group = [{"input_ids": row, "labels": row, "pack_segment_ids": torch.zeros_like(row)} for row in ids]
+    loss, grad_norm, _ = step(group, model, *optimizer_and_schedule(model, train, 1))
+    assert seen == calls and math.isfinite(loss) and grad_norm > 0

@@ -32,6 +32,8 @@ from .trackers import check_report_to
 
 AUTO_ATTENTION = "auto"  # resolved per machine and run kind by resolve_attention
 AUTO_THREADS = "auto"  # train.num_threads: this process's share of the cores (launch.threads_for)
+AUTO_WORKERS = "auto"  # train.num_workers: loader processes from this process's share of the cores (launch.workers_for)
+GRAD_SYNCS = ("every", "last")  # train.grad_sync: which micro-batches FSDP2 reduce-scatters gradients after
 # train.loss_impl: chunked projects the supervised positions a chunk at a time (linear_loss.py); full takes the
 # model's whole logits (loss.py), the reference the chunked path is tested against
 LOSS_IMPLS = ("chunked", "full")
@@ -66,7 +68,7 @@ class TrainSpec:
     loss_chunk_tokens: int = 512  # positions the chunked loss projects at once: its peak is ~8 bytes x this x vocab
     drop_last: bool = False
     pad_to_multiple_of: int | None = None  # null: the longest row; flex_attention: a few widths (row_widths.py)
-    num_workers: int = 0
+    num_workers: int | str = AUTO_WORKERS  # DataLoader processes decoding and collating per rank; auto: workers_for
     seed: int = 0
     log_every: int = 10  # optimizer steps between metric lines
     mixed_precision: str = AUTO_PRECISION  # no, bf16, fp16 or auto (bf16 on CUDA, no on the CPU)
@@ -86,13 +88,17 @@ class TrainSpec:
     # while the others wait at its broadcast, and torch's NCCL default (10 min) is shorter than reading a large one
     dist_timeout_s: int = 1800
     deterministic: bool = False  # deterministic kernels (launch.use_deterministic): CUDA runs repeat bit for bit
+    # FSDP2: reduce-scatter gradients after every micro-batch (sharded accumulation, the least memory) or after the
+    # last of each step only (one reduce-scatter per step; each rank keeps its units' unsharded fp32 gradients
+    # until then); DDP syncs after the last either way (train_step.py)
+    grad_sync: str = "every"
 
     def __post_init__(self) -> None:
         for name in ("epochs", "micro_batch_size", "gradient_accumulation_steps", "log_every", "keep_last",
                      "context_parallel_size", "dist_timeout_s", "loss_chunk_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"train.{name}={getattr(self, name)!r} is invalid: allowed an int >= 1")
-        for name in ("num_workers", "save_every_steps", "seed", "eval_every_steps"):
+        for name in ("save_every_steps", "seed", "eval_every_steps"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ConfigError(f"train.{name}={getattr(self, name)!r} is invalid: allowed an int >= 0")
         if self.loss_reduction not in REDUCTIONS:
@@ -131,6 +137,11 @@ class TrainSpec:
         threads = self.num_threads
         if threads != AUTO_THREADS and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
             raise ConfigError(f"train.num_threads={threads!r} is invalid: allowed {AUTO_THREADS!r} or an int >= 1")
+        workers = self.num_workers
+        if workers != AUTO_WORKERS and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 0):
+            raise ConfigError(f"train.num_workers={workers!r} is invalid: allowed {AUTO_WORKERS!r} or an int >= 0")
+        if self.grad_sync not in GRAD_SYNCS:
+            raise ConfigError(f"train.grad_sync={self.grad_sync!r} is invalid: allowed one of {list(GRAD_SYNCS)}")
         if self.resume_from not in (None, "auto") and not Path(self.resume_from).is_dir():
             raise ConfigError(f"train.resume_from={self.resume_from!r} is invalid: allowed null, 'auto' or a "
                               "checkpoint directory")

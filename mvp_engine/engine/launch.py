@@ -21,7 +21,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
 
-from .config import AUTO_THREADS, ConfigError
+from .config import AUTO_THREADS, AUTO_WORKERS, ConfigError
 from .device import cuda_in_use
 
 
@@ -94,9 +94,27 @@ def threads_for(setting: int | str) -> int:
     ``OMP_NUM_THREADS`` (torchrun sets 1 for several processes) or a caller's ``torch.set_num_threads`` stays."""
     if setting != AUTO_THREADS:
         return int(setting)
+    return min(torch.get_num_threads(), max(1, _core_share()))
+
+
+MAX_AUTO_WORKERS = 4  # a few processes keep a GPU fed; each more holds its own decoded micro-batches in host memory
+
+
+def workers_for(setting: int | str) -> int:
+    """``train.num_workers`` as a count. ``auto``: the cores of this process's share (``threads_for``'s) less the
+    one its training thread runs on, at most :data:`MAX_AUTO_WORKERS`, and 0 (decoding on the training thread)
+    where the share is one core. Any count gives the same batches in the same order (the loader draws from its
+    own seeded generator and the streaming dataset hands out whole micro-batches per worker), so it is chosen for
+    speed alone."""
+    if setting != AUTO_WORKERS:
+        return int(setting)
+    return max(0, min(MAX_AUTO_WORKERS, _core_share() - 1))
+
+
+def _core_share() -> int:
+    """The cores this process may run on divided by the processes a launcher started on this machine."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    share = max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    return min(torch.get_num_threads(), share)
+    return cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 def use_threads(setting: int | str) -> None:

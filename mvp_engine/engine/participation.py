@@ -8,8 +8,10 @@ AdamW skips a parameter whose gradient is None but applies momentum and weight d
 - Parameters no forward can reach (LLaVA's vision layers after ``vision_feature_layer``) are frozen at build time,
   named by the recipe's ``unreachable_parameters`` hook, and so are those matching ``model.freeze``.
 - A micro-batch without media of a kind the model takes adds a zero-weighted pass of the media encoder over the
-  recipe's tiny dummy input (``dummy_media``) per missing kind, as InternVL and LLaMA-Factory do: the media
-  parameters get an exact zero gradient, on one rank as on N, and the loss and every other gradient are unchanged.
+  recipe's tiny dummy input (``dummy_media``) per encoder it leaves unused (kinds declared on one tower,
+  ``MediaKind.on_tower_of``, share one; under FSDP2 one per missing kind: :func:`dummy_passes`), as InternVL and
+  LLaMA-Factory do: the media parameters get an exact zero gradient, on one rank as on N, and the loss and every
+  other gradient are unchanged.
   It runs where a real image's encoder pass runs, at the start of the model's forward
   (:func:`forward_with_media_pass`), so every rank runs the encoder as many times, in the same order, whatever
   media its micro-batch holds (FSDP2 gathers each vision block when it is called).
@@ -106,12 +108,21 @@ def media_kinds(model, encoder=None) -> tuple[MediaKind, ...]:
     return kinds if fed is None else tuple(kind for kind in fed if kind.name in {k.name for k in kinds})
 
 
-def dummy_passes(batch: dict, kinds: tuple[MediaKind, ...]) -> int:
-    """Dummy media passes a micro-batch needs: one per media kind it holds none of. A forward runs the encoder once
-    per kind present, so with these every micro-batch on every rank runs it ``len(kinds)`` times: the same
-    collectives under FSDP2 (an image-only rank beside an image-and-video rank would otherwise gather the vision
-    blocks once where the other gathers them twice), and every media parameter in every backward."""
-    return sum(1 for kind in kinds if batch.get(kind.patch_key) is None or not batch[kind.patch_key].numel())
+def dummy_passes(batch: dict, kinds: tuple[MediaKind, ...], per_kind: bool = False) -> int:
+    """Dummy media passes a micro-batch needs for every media parameter to take part in its backward: one per media
+    encoder (``MediaKind.tower_name``) none of whose kinds it holds. Kinds on one tower share its parameters, so an
+    image gives the tower a gradient for the videos too: a micro-batch with images and no clip runs no dummy pass,
+    a text-only one a single pass for the shared tower.
+
+    ``per_kind`` (FSDP2): one per media kind it holds none of. A forward runs the encoder once per kind present, so
+    with these every micro-batch on every rank runs it ``len(kinds)`` times: the same collectives (an image-only
+    rank beside an image-and-video rank would otherwise gather the vision blocks once where the other gathers them
+    twice)."""
+    missing = [kind for kind in kinds if batch.get(kind.patch_key) is None or not batch[kind.patch_key].numel()]
+    if per_kind:
+        return len(missing)
+    present = {kind.tower_name for kind in kinds if kind not in missing}
+    return len({kind.tower_name for kind in missing} - present)
 
 
 def _tensors(value):

@@ -33,8 +33,10 @@ ELASTIC = {
     # where and how often the run reports and saves
     "train.output_dir", "train.resume_from", "train.save_every_steps", "train.keep_last", "train.log_every",
     "train.report_to", "train.eval_every_steps", "train.peak_tflops", "train.time_barrier",
-    # how the same math is laid out: loader processes, sharding (DCP reshards), recomputation
-    "train.num_workers", "train.num_threads", "train.sharding", "train.activation_checkpointing", "attention",
+    # how the same math is laid out: loader processes, sharding (DCP reshards), when FSDP2 reduce-scatters,
+    # recomputation
+    "train.num_workers", "train.num_threads", "train.sharding", "train.grad_sync", "train.activation_checkpointing",
+    "attention",
     # how long a collective waits; and whether kernels repeat bit for bit: deterministic kernels compute the same
     # objective in a fixed order (a nondeterministic run already differs in its last bits from run to run), so
     # switching it on to check a resumed run is the same run

@@ -34,6 +34,12 @@ def optimizer_and_schedule(model, train: TrainSpec, total_steps: int):
     return optimizer, scheduler
 
 
+def batch_to_device(batch: dict, device: torch.device) -> dict:
+    """``batch`` on ``device``; on CUDA without blocking: the run's loader pins its batches there (``pin_memory``),
+    so the copies run while the host prepares the step instead of draining the GPU's queue first."""
+    return send_to_device(batch, device, non_blocking=device.type == "cuda")
+
+
 @dataclass(frozen=True)
 class TrainStep:
     """The step of one run: how its batches become model kwargs (``prepare``, ``attention``), the dummy media passes
@@ -58,10 +64,16 @@ class TrainStep:
         root (its mixed-precision policy casts the parameters instead; an outer autocast, as evaluation's, holds)."""
         return nullcontext if is_sharded(model) else self.accelerator.autocast
 
+    def dummy_passes(self, batch: dict) -> int:
+        """The dummy media passes ``batch`` needs (``participation.dummy_passes``): one per media encoder it leaves
+        unused, or under FSDP2 one per media kind it holds none of, since there every pass of the encoder gathers
+        its blocks (a collective) and every rank must run it as often."""
+        return dummy_passes(batch, self.media_kinds, per_kind=self.train.sharding == "fsdp2")
+
     def forward(self, model, batch: dict):
         """The model's outputs on ``batch`` (this rank's chunk under context parallelism) and the zero loss of
         any dummy media passes."""
-        kwargs, passes = self.prepare(batch, model, self.attention), dummy_passes(batch, self.media_kinds)
+        kwargs, passes = self.prepare(batch, model, self.attention), self.dummy_passes(batch)
         autocast = self.forward_autocast(model)
         if self.shard is None:
             return forward_with_media_pass(model, kwargs, self.dummy_media, passes, autocast=autocast)
@@ -90,10 +102,14 @@ class TrainStep:
         compute_start = time.perf_counter()
         sharded = is_sharded(model)
         for index, batch in enumerate(group):
-            batch = send_to_device(batch, accelerator.device)
-            # FSDP2 reduce-scatters after every micro-batch (its module has no no_sync; the sharded gradients
+            batch = batch_to_device(batch, accelerator.device)
+            last = index == len(group) - 1
+            if sharded and self.train.grad_sync == "last":
+                # the unsharded gradients accumulate (in fp32) until the last micro-batch reduce-scatters them
+                model.set_requires_gradient_sync(last)
+            # FSDP2 reduce-scatters after every micro-batch under grad_sync=every (the sharded gradients
             # accumulate): the mean over ranks of a sum over micro-batches, as DDP's one sync gives
-            sync = sharded or index == len(group) - 1 and not timed
+            sync = sharded or last and not timed
             context = accelerator.no_sync(model) if not sync else nullcontext()
             with context:
                 outputs, dummy = self.forward(model, batch)

@@ -30,9 +30,8 @@ from mvp_engine.kit.mllm.data.steps import estimate_total_steps
 
 from .checkpoint import Checkpointer, RunState
 from .flops import batch_flops, device_peak_tflops
-from .launch import describe_processes
+from .launch import describe_processes, workers_for
 from .lora import save_adapters
-from .participation import dummy_passes
 from .preemption import PreemptionWatch, ignore_stop_signals
 from .recipe import Recipe
 from .run import assemble
@@ -174,7 +173,8 @@ class Trainer:
         sharded: FSDP2's is built over the shards) and the schedule."""
         model = self.model
         if self.accelerator.is_main_process:
-            print(f"{describe_processes(self.accelerator)}; mixed_precision {self.specs.train.mixed_precision}; "
+            print(f"{describe_processes(self.accelerator)}, data workers {workers_for(self.specs.train.num_workers)}; "
+                  f"mixed_precision {self.specs.train.mixed_precision}; "
                   f"attention {self.specs.attention} ({self.specs.attention_why})")
             print(self.parts.parameters.describe())
             if is_sharded(model):
@@ -278,11 +278,14 @@ class Trainer:
         self.dataset.set_epoch(epoch)
         train = self.specs.train
         dataset = self.dataset.starting_at(rank_packs_done)
+        workers = workers_for(train.num_workers)
         # its own generator: creating the iterator must not draw from the global RNG, or a mid-epoch resume (which
-        # creates one more iterator than the uninterrupted run) would continue on another random stream
+        # creates one more iterator than the uninterrupted run) would continue on another random stream. On CUDA the
+        # batches come in pinned memory, which the step copies to the device without blocking (batch_to_device)
         return DataLoader(dataset, batch_size=train.micro_batch_size, collate_fn=self.collator,
-                          drop_last=train.drop_last, num_workers=train.num_workers,
-                          worker_init_fn=ignore_stop_signals if train.num_workers else None,
+                          drop_last=train.drop_last, num_workers=workers,
+                          worker_init_fn=ignore_stop_signals if workers else None,
+                          pin_memory=self.accelerator.device.type == "cuda",
                           generator=torch.Generator().manual_seed(train.seed * 1_000_003 + epoch))
 
     def _step(self, session: Session, group: list[dict], epoch: int, epoch_steps: int) -> None:
@@ -328,7 +331,7 @@ class Trainer:
         local = sum((TokenAccounting.from_batch(b) for b in group), TokenAccounting())
         parts = self.parts
         flops = [batch_flops(parts.cost_profile, b, self.specs.attention, parts.dummy_media, parts.packed,
-                             dummy_passes(b, parts.media_kinds)) for b in group]
+                             self.train_step.dummy_passes(b)) for b in group]
         local.model_flops, local.executed_flops = sum(c.useful for c in flops), sum(c.executed for c in flops)
         if not self.layout.counts_rows:  # the rows of a CP group are counted once, by its first rank
             local = TokenAccounting()

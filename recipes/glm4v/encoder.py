@@ -21,6 +21,7 @@ from PIL import Image
 from transformers.models.glm4v.image_processing_pil_glm4v import smart_resize
 
 from mvp_engine.kit.mllm.data.chat import ChatTemplateEncoder
+from mvp_engine.kit.mllm.data.media import IMAGES, VIDEOS
 from mvp_engine.kit.mllm.data.video import VideoInfo
 
 from .model import Glm4vProcessorBundle
@@ -34,6 +35,7 @@ class Glm4vSampleEncoder(ChatTemplateEncoder):
 
     image_token = IMAGE_TOKEN
     video_token = VIDEO_TOKEN
+    video_kind = VIDEOS.on_tower_of(IMAGES)  # clips run through the image tower (``self.visual``): no dummy video pass
     assistant_header = f"{ASSISTANT_TOKEN}\n"
     turn_end = PAD_TOKEN
     unsupervised_tokens = (BEGIN_IMAGE, END_IMAGE, BEGIN_VIDEO, END_VIDEO)

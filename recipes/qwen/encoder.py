@@ -25,15 +25,19 @@ from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from mvp_engine.kit.mllm.data.chat import ChatTemplateEncoder
-from mvp_engine.kit.mllm.data.media import VIDEOS
+from mvp_engine.kit.mllm.data.media import IMAGES, VIDEOS
 from mvp_engine.kit.mllm.data.video import VideoInfo
 
 from .processor import QwenProcessorBundle
 from .tokens import IM_END_TOKEN, IM_START_TOKEN, IMAGE_TOKEN, VIDEO_TOKEN, VISION_END_TOKEN, VISION_START_TOKEN
 
+# The family's clips run through its one vision tower (``get_video_features`` calls ``self.visual`` as
+# ``get_image_features`` does): an image in a micro-batch reaches every parameter a clip would, so the engine runs
+# no dummy video pass beside it
+TOWER_VIDEOS = VIDEOS.on_tower_of(IMAGES)
 # Clips with Qwen2.5-VL's ``second_per_grid_ts`` (one per clip: the seconds a temporal patch spans, which its M-RoPE
 # reads): what its encoder writes, and what the family's packed inputs hand on wherever a batch carries it
-TIMED_VIDEOS = VIDEOS.with_fields(item_keys=("second_per_grid_ts",))
+TIMED_VIDEOS = TOWER_VIDEOS.with_fields(item_keys=("second_per_grid_ts",))
 
 
 class QwenSampleEncoder(ChatTemplateEncoder):
@@ -45,6 +49,7 @@ class QwenSampleEncoder(ChatTemplateEncoder):
 
     image_token = IMAGE_TOKEN
     video_token = VIDEO_TOKEN
+    video_kind = TOWER_VIDEOS
     assistant_header = f"{IM_START_TOKEN}assistant\n"
     turn_end = IM_END_TOKEN
     unsupervised_tokens = (VISION_START_TOKEN, VISION_END_TOKEN)

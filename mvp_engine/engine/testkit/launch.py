@@ -22,6 +22,10 @@ REPO_ROOT = CONF_DIR.parent
 # CPU: the tests' trainings make CPU claims (gloo, exact equalities), and on a GPU machine two ranks would be two
 # NCCL ranks on one GPU (``device.py``)
 LAUNCH_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", DEVICE_ENV: "cpu"}
+# every kit training decodes on its training thread: train.num_workers=auto would start loader processes for each
+# epoch of each run (up to 4 per rank on a large CI machine), which runs of a few steps never repay; any count gives
+# the same batches, and a test's own train.num_workers, given after these, still wins
+KIT_OVERRIDES = ("train.num_workers=0",)
 # trainings of this test session by how they ran: "launched" (a fresh interpreter per process, here), "in-process"
 # and "pooled" (``runs.py``); printed at the session's end
 RUN_COUNTS: Counter = Counter()
@@ -50,7 +54,7 @@ def run_overrides(run_dir: Path, overrides: list[str] | tuple[str, ...]) -> list
 def launch(recipe: str, run_dir: Path, overrides=(), nproc: int = 1, timeout: float = 300,
            command: list[str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
     """Run a training to its end; ``check``: fail with its output unless it exited 0."""
-    cmd = (command or train_command(recipe, nproc)) + run_overrides(run_dir, overrides)
+    cmd = (command or train_command(recipe, nproc)) + run_overrides(run_dir, [*KIT_OVERRIDES, *overrides])
     count_launch("launched")
     # its own session: a launch that hangs is killed with every rank it started (killing torchrun alone would
     # leave its ranks running after the test)
@@ -72,7 +76,7 @@ def launch(recipe: str, run_dir: Path, overrides=(), nproc: int = 1, timeout: fl
 
 def start(recipe: str, run_dir: Path, overrides=(), nproc: int = 1) -> subprocess.Popen:
     """Start a training in the background (to be signalled or killed by the test)."""
-    cmd = train_command(recipe, nproc) + run_overrides(run_dir, overrides)
+    cmd = train_command(recipe, nproc) + run_overrides(run_dir, [*KIT_OVERRIDES, *overrides])
     count_launch("launched")
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT,
                             env={**os.environ, **LAUNCH_ENV}, start_new_session=True)

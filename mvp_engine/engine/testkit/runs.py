@@ -38,7 +38,7 @@ import torch
 import torch.multiprocessing as mp
 
 from ..device import DEVICE_ENV
-from .launch import LAUNCH_ENV, RUN_COUNTS, count_launch
+from .launch import KIT_OVERRIDES, LAUNCH_ENV, RUN_COUNTS, count_launch
 
 POOL_START_TIMEOUT = 120.0
 # what a pooled rank would import before its first call, imported once by the fork server its workers fork from
@@ -83,7 +83,8 @@ def _train_job(recipe: str, run_dir: str, overrides: Sequence[str]) -> None:
     from .structure import compose_config, load_recipe
 
     AcceleratorState._reset_state(reset_partial_state=True)  # the last run's process group is gone
-    run_recipe(compose_config(recipe, [f"train.output_dir={run_dir}", *overrides]), load_recipe(recipe))
+    run_recipe(compose_config(recipe, [f"train.output_dir={run_dir}", *KIT_OVERRIDES, *overrides]),
+               load_recipe(recipe))
 
 
 def _call(target: str, args: tuple, log: Path) -> tuple[int, object, str, str]:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..demo import with_demo_data
 from ..trainer import Trainer
+from .launch import KIT_OVERRIDES
 from .runs import session_demo_dir
 from .structure import compose_config, load_recipe, packing_overrides
 
@@ -18,7 +19,7 @@ def smoke_trainer(name: str, packing: str | None, output_dir: Path, overrides: t
     cfg = compose_config(name, [
         *packing_overrides(packing), "demo.num_samples=48", "data.max_seq_len=512", "train.epochs=2",
         "train.micro_batch_size=2", "train.learning_rate=5e-3", "train.warmup_ratio=0.0",
-        f"train.output_dir={output_dir}", *overrides,
+        f"train.output_dir={output_dir}", *KIT_OVERRIDES, *overrides,
     ])
     if not any(o.startswith("demo.out_dir=") for o in overrides):
         cfg.demo.out_dir = str(session_demo_dir(cfg.demo.num_samples, cfg.demo.seed, cfg.demo.videos))

@@ -14,8 +14,9 @@ from .sample import MLLMSample
 class MediaKind:
     """One kind of media item in ``MLLMSample.media``: the field holding its pixels, its per-item grid field (when
     the layout has one), the batch fields naming each item's segment and row, ``item_keys``: fields with one row
-    per item (a clip's seconds per temporal patch, a stacked image's patch positions), and ``count_key``: the
-    stacked rows of each item where an item is several of them (tiles per image).
+    per item (a clip's seconds per temporal patch, a stacked image's patch positions), ``count_key``: the
+    stacked rows of each item where an item is several of them (tiles per image), and ``tower``: the kind whose
+    media encoder this kind's items run through (None: its own; :meth:`on_tower_of`).
 
     The kit's kinds (:data:`IMAGES`, :data:`VIDEOS`) carry the generic fields only: a model's own per-item or count
     fields are its recipe's to declare (:meth:`with_fields`), on its encoder, whose samples carry the kinds
@@ -28,14 +29,26 @@ class MediaKind:
     row_key: str
     item_keys: tuple[str, ...] = ()
     count_key: str | None = None
+    tower: str | None = None
 
     @property
     def keys(self) -> tuple[str, ...]:
         return self.patch_key, self.grid_key, *self.item_keys, *((self.count_key,) if self.count_key else ())
 
+    @property
+    def tower_name(self) -> str:
+        """The media encoder this kind runs through, named by the kind that owns it."""
+        return self.tower or self.name
+
     def with_fields(self, item_keys: tuple[str, ...] = (), count_key: str | None = None) -> MediaKind:
         """This kind with a model's own fields added: ``item_keys`` (one row per item) and a ``count_key``."""
         return replace(self, item_keys=(*self.item_keys, *item_keys), count_key=count_key or self.count_key)
+
+    def on_tower_of(self, other: MediaKind) -> MediaKind:
+        """This kind, declared to run through ``other``'s media encoder with no parameter of its own (a model
+        whose videos go through its image tower): a micro-batch holding either kind then gives every parameter of
+        that encoder a gradient, so the engine runs no dummy pass for the other (``participation.dummy_passes``)."""
+        return replace(self, tower=other.tower_name)
 
 
 IMAGES = MediaKind("image", "pixel_values", "image_grid_thw", "media_segment_ids", "media_batch_index")
