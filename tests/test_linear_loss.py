@@ -268,3 +268,23 @@ def test_no_positions_by_vocab_tensor_is_made_or_kept():
     assert chunked_saved < width * hidden_size * 4 * 4, measured  # the gather's indices, a few rows of floats
     assert chunked_saved_largest < chunk * vocab
     assert chunked_largest <= chunk * vocab * 4, measured
+
+
+def test_a_training_with_the_chunked_loss_logs_what_the_full_loss_logs(tmp_path):
+    """Gemma 4's tiny model (tied head, final_logit_softcapping 30) trains and evaluates the same with either loss:
+    every step's loss and gradient norm and the eval loss within 1e-5 relative, chunks of 16 positions."""
+    import mvp_engine.engine.testing as kit
+
+    data = kit.shared_mixed_jsonl()
+    common = [*kit.packing_overrides("greedy"), f"data.sources=[{data}]", f"data.eval_sources=[{data}]",
+              "data.shuffle=false", "data.max_seq_len=160", "train.epochs=2", "train.micro_batch_size=1",
+              "train.gradient_accumulation_steps=2", "train.learning_rate=5e-3", "train.loss_reduction=sample",
+              "train.loss_chunk_tokens=16"]
+    for impl in ("full", "chunked"):
+        kit.train("gemma4", tmp_path / impl, [*common, f"train.loss_impl={impl}"])
+    full, chunked = kit.read_metrics(tmp_path / "full"), kit.read_metrics(tmp_path / "chunked")
+    assert len(full) == len(chunked) and any("eval_loss" in m for m in full)
+    for a, b in zip(full, chunked):
+        for key in ("loss", "grad_norm", "eval_loss"):
+            if key in a:
+                assert abs(b[key] - a[key]) <= 1e-5 * abs(a[key]), (key, a, b)

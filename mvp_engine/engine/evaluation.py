@@ -26,7 +26,6 @@ from tqdm.auto import tqdm
 from mvp_engine.kit.mllm.data import BadRecord, MLLMDataKit, MLLMSampleEncoder, RecordLedger
 
 from .config import ConfigError, RunSpecs
-from .loss import weighted_token_loss
 from .parallel import ParallelLayout
 from .train_step import TrainStep
 
@@ -83,10 +82,11 @@ class Evaluator:
     """The eval loss of a model over the eval sets, on every rank (each rank runs its own packs under
     ``torch.no_grad()``; the sums are reduced).
 
-    ``step`` is the run's ``TrainStep``: its forward is the training forward (the dummy media passes FSDP2's
-    gathers need on a text-only micro-batch; under context parallelism this rank's chunk of every row) and its
-    ``span`` the positions this rank's loss covers. ``layout`` says which data-parallel rank's packs this rank
-    evaluates and whether it counts their rows (a CP group's rows once)."""
+    ``step`` is the run's ``TrainStep``: its forward and loss are the training ones (the dummy media passes FSDP2's
+    gathers need on a text-only micro-batch; under context parallelism this rank's chunk of every row and its
+    ``span``, the positions this rank's loss covers; ``train.loss_impl``), with the token reduction. ``layout``
+    says which data-parallel rank's packs this rank evaluates and whether it counts their rows (a CP group's rows
+    once)."""
 
     def __init__(self, accelerator: Accelerator, sets: list[EvalSet], collator, step: TrainStep,
                  layout: ParallelLayout, micro_batch_size: int, every_steps: int = 0):
@@ -126,9 +126,7 @@ class Evaluator:
                             found[index].extend(bad)
                         batch = send_to_device(batch, accelerator.device)
                         with accelerator.autocast():
-                            outputs, _ = self.step.forward(model, batch)
-                        part = weighted_token_loss(outputs.logits, batch["labels"], batch["pack_segment_ids"],
-                                                   "token", self.step.span(batch))
+                            part, _ = self.step.loss(model, batch, "token")
                         sums[index, 0] += part.weighted_sum.double().cpu()
                         sums[index, 1] += part.weight_total.double().cpu()
                         if counts_rows:

@@ -18,7 +18,8 @@ from mvp_engine.kit.mllm.data.media import IMAGES, MediaKind
 from mvp_engine.packing import SequenceShard
 
 from .config import TrainSpec
-from .loss import token_weights, weighted_token_loss
+from .linear_loss import HeadInputs
+from .loss import WeightedTokenLoss, token_weights, weighted_token_loss
 from .parallel import sequence_parallel_forward
 from .participation import dummy_passes, forward_with_media_pass
 from .sharding import clip_grad_norm_, is_sharded
@@ -80,6 +81,19 @@ class TrainStep:
         return sequence_parallel_forward(model, kwargs, self.shard, self.media_kinds, self.dummy_media, passes,
                                          autocast)
 
+    def loss(self, model, batch: dict, reduction: str) -> tuple[WeightedTokenLoss, torch.Tensor | None]:
+        """``batch``'s loss parts by ``train.loss_impl`` (``chunked``: the model's head over the hidden states of the
+        supervised positions, ``linear_loss.py``; ``full``: its logits) and the zero loss of any dummy media passes.
+        The chunked head runs under the forward's autocast, so it projects in the precision the model's own did."""
+        labels, segments, span = batch["labels"], batch["pack_segment_ids"], self.span(batch)
+        if self.train.loss_impl == "full":
+            outputs, dummy = self.forward(model, batch)
+            return weighted_token_loss(outputs.logits, labels, segments, reduction, span), dummy
+        with HeadInputs(model) as head:
+            outputs, dummy = self.forward(model, batch)
+        with self.forward_autocast(model)():
+            return head.loss(outputs.logits, labels, segments, reduction, span, self.train.loss_chunk_tokens), dummy
+
     def __call__(self, group: list[dict], model, optimizer,
                  scheduler) -> tuple[float, float, tuple[float, float] | None]:
         """One optimizer step over ``group``; the denominator covers every micro-batch on every rank. Returns the
@@ -112,9 +126,7 @@ class TrainStep:
             sync = sharded or last and not timed
             context = accelerator.no_sync(model) if not sync else nullcontext()
             with context:
-                outputs, dummy = self.forward(model, batch)
-                part = weighted_token_loss(outputs.logits, batch["labels"], batch["pack_segment_ids"], reduction,
-                                           self.span(batch))
+                part, dummy = self.loss(model, batch, reduction)
                 loss = part.weighted_sum / denominator * accelerator.num_processes
                 if dummy is not None:
                     loss = loss + dummy
