@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
 import re
+import signal
 import subprocess
 import sys
 
 import pytest
 import torch
+from accelerate.commands import launch as accelerate_launch
 from transformers import get_scheduler
 
 import mvp_engine.engine.testing as kit
@@ -25,16 +26,27 @@ CONF = kit.CONF_DIR
 
 @pytest.mark.launch
 @pytest.mark.parametrize("config,sharding", [("ddp", "none"), ("fsdp2", "fsdp2")])
-def test_accelerate_launch_with_a_config_trains_two_processes_in_one_run_directory(config, sharding, tmp_path):
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(CONF / "accelerate" / f"{config}.yaml"), "--num_processes", "2", "--main_process_port", "0", "-m",
-           "recipes.llava.train", "+packing=bfd", "demo.num_samples=24", "data.max_seq_len=512", "train.epochs=1",
-           f"train.sharding={sharding}", f"demo.out_dir={tmp_path / 'demo'}"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                            env={**os.environ, **kit.LAUNCH_ENV})
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "world_size 2, process-group backend gloo" in result.stdout
-    assert ("sharding: fsdp2 over 2 ranks" in result.stdout) == (sharding == "fsdp2"), result.stdout
+def test_accelerate_launch_with_a_config_trains_two_processes_in_one_run_directory(config, sharding, tmp_path,
+                                                                                   monkeypatch, capfd):
+    """``accelerate launch`` with the config, its command line parsed and run by accelerate's own ``main`` in this
+    process (the launcher's interpreter cost ~8 s of imports), in the environment and folder the command had: its
+    torchrun agent starts the 2 ranks as fresh processes, which write to this process's output."""
+    argv = ["--config_file", str(CONF / "accelerate" / f"{config}.yaml"), "--num_processes", "2",
+            "--main_process_port", "0", "-m", "recipes.llava.train", "+packing=bfd", "demo.num_samples=24",
+            "data.max_seq_len=512", "train.epochs=1", f"train.sharding={sharding}", f"demo.out_dir={tmp_path / 'demo'}"]
+    for key, value in kit.LAUNCH_ENV.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["accelerate.commands.launch", *argv])
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
+    try:
+        accelerate_launch.main()  # a rank that fails raises (torchrun's ChildFailedError), as the command exits 1
+    finally:
+        for sig, handler in handlers.items():  # the agent's handlers, set in this process, end with the launch
+            signal.signal(sig, handler)
+    out = capfd.readouterr().out
+    assert "world_size 2, process-group backend gloo" in out
+    assert ("sharding: fsdp2 over 2 ranks" in out) == (sharding == "fsdp2"), out
     run_dirs = list((tmp_path / "outputs" / "llava").iterdir())
     assert len(run_dirs) == 1, f"one launch made {run_dirs}"
     summary = kit.read_summary(run_dirs[0])
