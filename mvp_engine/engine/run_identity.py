@@ -41,6 +41,9 @@ ELASTIC = {
     # objective in a fixed order (a nondeterministic run already differs in its last bits from run to run), so
     # switching it on to check a resumed run is the same run
     "train.dist_timeout_s", "train.deterministic",
+    # how the loss is computed: the chunked loss is the full logits' cross-entropy over the same weights, only
+    # projected a chunk of supervised positions at a time (tests/test_linear_loss.py), so a run may switch on resume
+    "train.loss_impl", "train.loss_chunk_tokens",
     # where and how lengths are measured (the cache keys on content), and whether bad records stop the run
     "data.cache_dir", "data.measure_cache", "data.measure_workers", "data.on_bad_record", "data.max_bad_fraction",
     # the format of the final save, not what is trained
