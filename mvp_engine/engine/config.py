@@ -64,7 +64,7 @@ class TrainSpec:
     warmup_ratio: float = 0.05
     max_grad_norm: float = 1.0
     loss_reduction: str = "token"
-    loss_impl: str = "full"  # chunked or full (LOSS_IMPLS)
+    loss_impl: str = "chunked"  # chunked or full (LOSS_IMPLS)
     loss_chunk_tokens: int = 512  # positions the chunked loss projects at once: its peak is ~8 bytes x this x vocab
     drop_last: bool = False
     pad_to_multiple_of: int | None = None  # null: the longest row; flex_attention: a few widths (row_widths.py)
