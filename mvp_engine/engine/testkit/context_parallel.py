@@ -28,7 +28,7 @@ from ..recipe import Recipe
 from .collectives import collectives_on_their_groups_device
 from .equivalence import EquivalenceCase, collate_rows
 from .launch import final_weights, max_weight_difference, read_metrics, read_summary
-from .runs import run_on_ranks, shared_mixed_jsonl, train
+from .runs import cached_run, run_on_ranks, shared_mixed_jsonl, train
 from .structure import backward_available, compose_config, load_recipe
 
 CP_SIZE = 2
@@ -151,17 +151,19 @@ def check_split_training(recipe: str, run_dir: Path, split: tuple[int, int], ref
     """Real runs of ``recipe`` on mixed image / text-only data, (processes, CP size) ``split`` against
     ``reference``: the same steps and per-step counts (each row counted once), losses and final weights within
     ``tol``, estimated == actual steps (``split_overrides``: more keys of the split run, e.g. FSDP2). Returns the
-    line with the measured differences."""
+    line with the measured differences. The reference is the session's (``cached_run``): checks of one recipe
+    against the same reference share one run."""
     common = ["+packing=greedy", f"data.sources=[{shared_mixed_jsonl()}]", "data.shuffle=false",
               "data.max_seq_len=320", f"train.epochs={epochs}", "train.micro_batch_size=1", "train.learning_rate=5e-3"]
-    for name, (nproc, cp), extra in (("split", split, split_overrides), ("reference", reference, ())):
-        train(recipe, run_dir / name, [*common, f"train.context_parallel_size={cp}", *extra], nproc=nproc)
-    split_metrics, reference_metrics = read_metrics(run_dir / "split"), read_metrics(run_dir / "reference")
+    train(recipe, run_dir / "split", [*common, f"train.context_parallel_size={split[1]}", *split_overrides],
+          nproc=split[0])
+    reference_dir = cached_run(recipe, [*common, f"train.context_parallel_size={reference[1]}"], nproc=reference[0])
+    split_metrics, reference_metrics = read_metrics(run_dir / "split"), read_metrics(reference_dir)
     assert len(split_metrics) == len(reference_metrics) >= 2
     for key in ("samples", "effective_tokens", "supervised_tokens", "lr"):
         assert [m[key] for m in split_metrics] == [m[key] for m in reference_metrics], key
     loss = max(abs(a["loss"] - b["loss"]) for a, b in zip(split_metrics, reference_metrics))
-    weights = max_weight_difference(final_weights(run_dir / "split"), final_weights(run_dir / "reference"))
+    weights = max_weight_difference(final_weights(run_dir / "split"), final_weights(reference_dir))
     summary = read_summary(run_dir / "split")
     assert summary["estimated_steps"] == summary["actual_steps"] == len(split_metrics)
     assert summary["context_parallel_size"] == split[1]

@@ -32,6 +32,18 @@ def backend_params(backends, training: bool) -> list:
     return [pytest.param(b, marks=pytest.mark.gpu) if kit.needs_cuda(b, training) else b for b in backends]
 
 
+_CASES: dict[str, kit.EquivalenceCase] = {}
+
+
+def shared_case(recipe: str, tmp_path_factory) -> kit.EquivalenceCase:
+    """The recipe's equivalence case (``kit.equivalence_case``), encoded once per session and shared by its
+    ``EquivalenceSuite`` and ``ContextParallelSuite``: the suites only read it (its one-by-one reference is computed
+    once and kept on it; a check needing another model config copies it)."""
+    if recipe not in _CASES:
+        _CASES[recipe] = kit.equivalence_case(recipe, tmp_path_factory.mktemp(f"{recipe}_case"))
+    return _CASES[recipe]
+
+
 class RecipeSuite:
     """Base: ``recipe`` names ``recipes/<recipe>`` (and ``conf/<recipe>.yaml``)."""
 
@@ -91,7 +103,7 @@ class EquivalenceSuite(RecipeSuite):
     @pytest.fixture(scope="class")
     @classmethod
     def case(cls, tmp_path_factory):
-        return kit.equivalence_case(cls.recipe, tmp_path_factory.mktemp(f"{cls.recipe}_equivalence"))
+        return shared_case(cls.recipe, tmp_path_factory)
 
     def test_packed_equals_one_by_one(self, case, backend):
         try:
@@ -297,7 +309,7 @@ class ContextParallelSuite(RecipeSuite):
     @pytest.fixture(scope="class")
     @classmethod
     def case(cls, tmp_path_factory):
-        return kit.equivalence_case(cls.recipe, tmp_path_factory.mktemp(f"{cls.recipe}_context_parallel"))
+        return shared_case(cls.recipe, tmp_path_factory)
 
     @pytest.mark.launch
     def test_split_row_equals_unsplit_on_every_backend(self, case, tmp_path):
