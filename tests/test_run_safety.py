@@ -22,7 +22,6 @@ from mvp_engine.engine.run_files import RunFiles
 from mvp_engine.engine.trainer import Trainer
 
 RECIPE = "llava"
-COVERS = ("run safety",)
 
 
 def base(data: Path) -> list[str]:

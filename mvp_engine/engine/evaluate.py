@@ -35,7 +35,7 @@ from .recipe import Recipe
 from .run import assemble
 
 EVAL_FILE = "eval.json"
-JOB_NAME = "evaluate"  # Hydra's job name of this entry, so its log is evaluate.log (conf/<name>.yaml names "train")
+JOB_NAME = "evaluate"  # Hydra's job name of this entry (conf/<name>.yaml names the training entry's, "train")
 
 
 @contextmanager
@@ -96,9 +96,9 @@ def evaluate_recipe(cfg: DictConfig, recipe: Recipe) -> dict:
 
 def hydra_evaluate(recipe: Recipe):
     """The ``main()`` of ``recipes/<name>/evaluate.py``: Hydra over ``conf/<name>.yaml``, then
-    :func:`evaluate_recipe`. The recipes' configs name the Hydra job ``train`` (the training entry's log,
-    ``train.log``); this entry puts ``hydra.job.name=evaluate`` first on the command line, so it logs to
-    ``evaluate.log`` and a ``hydra.job.name=`` given on the command line still wins."""
+    :func:`evaluate_recipe`. The recipes' configs name the Hydra job ``train`` (the training entry's); this entry
+    puts ``hydra.job.name=evaluate`` first on the command line, so its ``.hydra`` record says what ran, and a
+    ``hydra.job.name=`` given on the command line still wins."""
 
     @hydra.main(config_path=str(CONF_DIR), config_name=recipe.name, version_base="1.3")
     def main(cfg: DictConfig) -> None:

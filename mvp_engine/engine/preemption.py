@@ -43,9 +43,9 @@ class PreemptionWatch:
         return self.received is not None
 
     @property
-    def reason(self) -> str:
-        """What the run says stopped it: this rank's signal, or another rank's."""
-        return signal.Signals(self.received).name if self.requested else "a stop signal on another rank"
+    def reason(self) -> str | None:
+        """The name of the signal this rank received (None: none)."""
+        return signal.Signals(self.received).name if self.requested else None
 
 
 def ignore_stop_signals(worker_id: int) -> None:

@@ -370,7 +370,10 @@ class Trainer:
                       f"({dict(Counter(b.reason for b in new))}; first: {new[0].message}): listed in "
                       f"{self.bad_records_path}")
             self.bad_records.check(self.bad_records_path)  # the same verdict on every rank: all stop together
-        return preemption.reason if stop else None
+        if not stop:
+            return None
+        # every rank says the same: the signal a rank received (a SIGTERM sent to one rank names SIGTERM everywhere)
+        return next(r for r in gather_object([preemption.reason if preemption.requested else None]) if r)
 
     # --- the end ---------------------------------------------------------------------------------------------------
 
