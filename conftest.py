@@ -14,6 +14,12 @@ import torch
 from mvp_engine.engine.device import DEVICE_ENV
 
 os.environ["VLM_PACKING_CACHE"] = tempfile.mkdtemp(prefix="vlm_packing_cache_")
+# every test computes on one torch thread, as every launched and pooled rank does (LAUNCH_ENV): on a 2-core machine
+# that the suite shares with its own processes (DataLoader workers, pooled ranks, launches, the fork server's
+# imports) two OpenMP threads wait on each other whenever a core is taken, and in-process tests ran 2-3x slower
+# (measured: recipes/llava/tests + smoke/equivalence/engine files, 206 and 325 s on two threads, 116 and 114 s on
+# one); a test's numbers then do not depend on the cores it found free
+torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
@@ -33,15 +39,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
-def pytest_collection_finish(session):
-    """A session that will start processes starts the pool's fork server now: it imports the kit and the recipes
-    while the first tests run, and every pooled rank is forked from it ready (``testkit.runs``)."""
+def pytest_itemcollected(item):
+    """The first test collected that starts processes starts the pool's fork server: it imports the kit and the
+    recipes while the rest is collected (single-threaded imports beside single-threaded imports, so the first
+    tests' OpenMP threads do not compete with it), and every pooled rank is forked from it ready
+    (``testkit.runs``)."""
+    from mvp_engine.engine.testkit import runs
     from mvp_engine.engine.testkit.launch import NO_LAUNCH_ENV
 
-    if os.environ.get(NO_LAUNCH_ENV) != "1" and any("launch" in item.keywords for item in session.items):
-        from mvp_engine.engine.testkit.runs import start_fork_server
-
-        start_fork_server()
+    if "launch" in item.keywords and os.environ.get(NO_LAUNCH_ENV) != "1":
+        runs.start_fork_server()
 
 
 def pytest_terminal_summary(terminalreporter):
