@@ -4,8 +4,8 @@ of N worker processes started once per test session; and a session cache of refe
 Why: a launch (``launch.py``) spends ~10 s per process importing torch, transformers and the recipe before its
 first step, and the suite's trainings are a few steps each, so imports were most of the suite's time. A pool worker
 is forked from the session's fork server, which imported the kit and the recipes once (``start_fork_server``: the
-session's conftest starts it as collection ends, so it imports while the first tests run), and then runs each
-requested training as a launched rank would: the environment torchrun sets
+session's conftest starts it when it collects the first test that starts processes, so it imports during
+collection), and then runs each requested training as a launched rank would: the environment torchrun sets
 (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, a fresh ``MASTER_PORT``), accelerate's state reset, the run's own
 process group set up and torn down by ``run_recipe``, one torch thread. What a run returns is what a launch
 returns (exit status, stdout, stderr), so a test reads either the same way. Real launches stay where the process
