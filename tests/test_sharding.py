@@ -121,7 +121,8 @@ def test_grad_sync_last_turns_fsdp2_gradient_sync_off_until_a_step_s_last_micro_
     model.set_requires_gradient_sync = lambda on, **kwargs: seen.append(on) or original(on, **kwargs)
     accelerator = SimpleNamespace(device=torch.device("cpu"), num_processes=1, reduce=lambda t, reduction: t,
                                   backward=lambda loss: loss.backward(), unscale_gradients=lambda: None)
-    train = TrainSpec(sharding="fsdp2", grad_sync=grad_sync, gradient_accumulation_steps=2)
+    # the full loss: the tiny model has no output-embeddings accessor for the chunked loss to find its head by
+    train = TrainSpec(sharding="fsdp2", grad_sync=grad_sync, gradient_accumulation_steps=2, loss_impl="full")
     step = TrainStep(accelerator, lambda batch, model, attention: {"input_ids": batch["input_ids"]}, "sdpa", {},
                      train, media_kinds=())
     ids = torch.randint(0, 16, (2, 1, 6))
