@@ -53,3 +53,18 @@ class FakeEncoder:
         return MLLMSample(input_ids=input_ids, labels=labels, sample_id=record.record_id, media=media,
                           num_media=meta.num_media, media_tokens=meta.media_tokens, media_end=meta.media_end,
                           media_sq=meta.media_sq)
+
+
+def packed_segments_and_labels(lengths_per_row, width: int, vocab: int, seed: int = 0):
+    """Segment ids and labels of packed rows (``-1`` / ignored past the samples): each sample's first token
+    unsupervised, the rest random targets below ``vocab``."""
+    gen = torch.Generator().manual_seed(seed)
+    seg = torch.full((len(lengths_per_row), width), -1)
+    labels = torch.full((len(lengths_per_row), width), IGNORE_INDEX)
+    for r, lengths in enumerate(lengths_per_row):
+        start = 0
+        for s, n in enumerate(lengths):
+            seg[r, start:start + n] = s
+            labels[r, start + 1:start + n] = torch.randint(0, vocab, (n - 1,), generator=gen)
+            start += n
+    return seg, labels

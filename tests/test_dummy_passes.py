@@ -39,6 +39,13 @@ def test_the_encoder_runs_as_often_whatever_the_micro_batch_holds():
     assert len(calls) == 2 and float(loss) == 0.0
 
 
+def reached(model, outputs) -> set[str]:
+    """The parameters a backward from ``outputs``' pooled features gives a gradient."""
+    model.zero_grad(set_to_none=True)
+    sum(t.sum() for t in outputs.pooler_output).backward()
+    return {name for name, param in model.named_parameters() if param.grad is not None}
+
+
 def test_gemma4_feeds_no_video_and_its_video_path_has_no_parameter_of_its_own():
     """Gemma 4's model takes video (``Gemma4Model.get_video_features``) but its recipe feeds none: the fed kinds
     decide, so a micro-batch runs no dummy video pass, and needs none: every parameter the video path reaches, the
@@ -55,13 +62,8 @@ def test_gemma4_feeds_no_video_and_its_video_path_has_no_parameter_of_its_own():
         == [1, 0]
     dummy = recipe.dummy_media(model)
 
-    def reached(outputs) -> set[str]:
-        model.zero_grad(set_to_none=True)
-        sum(t.sum() for t in outputs.pooler_output).backward()
-        return {name for name, param in model.named_parameters() if param.grad is not None}
-
-    image = reached(model.model.get_image_features(**dummy))
-    video = reached(model.model.get_video_features(pixel_values_videos=dummy["pixel_values"],
+    image = reached(model, model.model.get_image_features(**dummy))
+    video = reached(model, model.model.get_video_features(pixel_values_videos=dummy["pixel_values"],
                                                    video_position_ids=dummy["image_position_ids"],
                                                    num_frames_per_video=torch.tensor([1])))
     assert video and video <= image
@@ -101,12 +103,7 @@ def test_a_video_kind_on_the_image_tower_reaches_no_parameter_the_image_path_doe
     assert kinds["video"].tower_name == kinds["image"].tower_name
     dummy = recipe.dummy_media(model)
 
-    def reached(outputs) -> set[str]:
-        model.zero_grad(set_to_none=True)
-        sum(t.sum() for t in outputs.pooler_output).backward()
-        return {name for name, param in model.named_parameters() if param.grad is not None}
-
-    image = reached(model.model.get_image_features(**dummy))
-    video = reached(model.model.get_video_features(pixel_values_videos=dummy["pixel_values"],
+    image = reached(model, model.model.get_image_features(**dummy))
+    video = reached(model, model.model.get_video_features(pixel_values_videos=dummy["pixel_values"],
                                                    video_grid_thw=dummy["image_grid_thw"]))
     assert video and video <= image

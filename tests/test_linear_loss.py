@@ -17,22 +17,14 @@ from mvp_engine.engine.linear_loss import HeadInputs, chunked_token_logprobs, ch
 from mvp_engine.engine.loss import weighted_token_loss
 from mvp_engine.kit.mllm.data import IGNORE_INDEX
 
+from .fakes import packed_segments_and_labels
+
 HIDDEN, VOCAB, WIDTH, CHUNK = 16, 37, 11, 4  # 4-row chunks: several per batch, the last one short
 TOL = 1e-5
 
 
 def packed_labels(lengths_per_row, width, seed=0):
-    """Segment ids and labels of packed rows: each sample's first token unsupervised, the rest random targets."""
-    gen = torch.Generator().manual_seed(seed)
-    seg = torch.full((len(lengths_per_row), width), -1)
-    labels = torch.full((len(lengths_per_row), width), IGNORE_INDEX)
-    for r, lengths in enumerate(lengths_per_row):
-        start = 0
-        for s, n in enumerate(lengths):
-            seg[r, start:start + n] = s
-            labels[r, start + 1:start + n] = torch.randint(0, VOCAB, (n - 1,), generator=gen)
-            start += n
-    return seg, labels
+    return packed_segments_and_labels(lengths_per_row, width, VOCAB, seed)
 
 
 SEG, LABELS = packed_labels([[3, 5, 2], [4, 6], [11]], WIDTH)

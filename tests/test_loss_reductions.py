@@ -10,21 +10,13 @@ import torch
 from mvp_engine.engine.loss import token_weights, weighted_token_loss
 from mvp_engine.kit.mllm.data import IGNORE_INDEX
 
+from .fakes import packed_segments_and_labels
+
 VOCAB = 11
 
 
 def segments_and_labels(lengths_per_row, width, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    rows = len(lengths_per_row)
-    seg = torch.full((rows, width), -1)
-    labels = torch.full((rows, width), IGNORE_INDEX)
-    for r, lengths in enumerate(lengths_per_row):
-        start = 0
-        for s, n in enumerate(lengths):
-            seg[r, start:start + n] = s
-            labels[r, start + 1:start + n] = torch.randint(0, VOCAB, (n - 1,), generator=gen)
-            start += n
-    return seg, labels
+    return packed_segments_and_labels(lengths_per_row, width, VOCAB, seed)
 
 
 @pytest.mark.parametrize("reduction", ["token", "sample", "square"])
