@@ -182,17 +182,27 @@ class ChatTemplateEncoder:
         )
 
     def measure(self, record: MLLMRecord) -> SampleMeta:
-        self._validate(record)
-        videos = [self._video_info(record, part) for part in record.parts("video")]
-        counts = {"image": [self._header_token_count(record, path) for path in record.image_paths],
-                  "video": [self._metadata_token_count(record, info) for info in videos]}
-        input_ids, labels = self._layout(record, counts, videos)
+        input_ids, labels, counts, videos = self._measured_layout(record)
         return SampleMeta(length=int(input_ids.numel()), num_media=len(counts["image"]) + len(counts["video"]),
                           media_end=self._media_end(input_ids), first_supervised=first_supervised_index(labels),
                           media_tokens=sum(counts["image"]) + sum(counts["video"]),
                           media_sq=self._media_sq(counts, videos))
 
+    def layout(self, record: MLLMRecord) -> tuple[torch.Tensor, torch.Tensor]:
+        """The token ids and labels ``encode`` gives ``record``, from text and media headers alone (no pixel): what
+        a preference pair's encoder (``pairs.PairEncoder``) compares its two conversations by."""
+        input_ids, labels, _, _ = self._measured_layout(record)
+        return input_ids, labels
+
     # ------------------------------------------------------------------------------------------------- helpers
+
+    def _measured_layout(self, record: MLLMRecord):
+        self._validate(record)
+        videos = [self._video_info(record, part) for part in record.parts("video")]
+        counts = {"image": [self._header_token_count(record, path) for path in record.image_paths],
+                  "video": [self._metadata_token_count(record, info) for info in videos]}
+        input_ids, labels = self._layout(record, counts, videos)
+        return input_ids, labels, counts, videos
 
     def _validate(self, record: MLLMRecord) -> None:
         if not isinstance(record.messages, list) or not record.messages:

@@ -7,9 +7,16 @@ from dataclasses import dataclass, field
 import torch
 
 from .media import MLLMMediaHandler
+from .pairs import BRANCH_FIELD, branch_positions
 from .sample import IGNORE_INDEX, TOKEN_FIELD_PADS, MLLMSample
 
 TOKEN_FIELDS = ("input_ids", "labels", "pack_segment_ids", "position_ids")
+
+
+def sample_positions(sample: MLLMSample) -> torch.Tensor:
+    """A sample's positions: 0, 1, ... along it; a preference pair's continuations both continue from its prefix."""
+    branches = sample.token_fields.get(BRANCH_FIELD)
+    return torch.arange(sample.length) if branches is None else branch_positions(branches)
 
 
 @dataclass
@@ -45,7 +52,7 @@ class MLLMPack:
             "input_ids": input_ids,
             "labels": labels,
             "pack_segment_ids": torch.repeat_interleave(torch.arange(len(self.samples)), lengths),
-            "position_ids": torch.cat([torch.arange(n) for n in lengths.tolist()]) if self.samples
+            "position_ids": torch.cat([sample_positions(s) for s in self.samples]) if self.samples
             else torch.zeros(0, dtype=torch.long),
             "source_sample_num": len(self.samples),
             "cu_seqlens": cu_seqlens,

@@ -14,8 +14,9 @@ IGNORE_INDEX = -100
 
 # Per-token fields a model reads besides the ids (``MLLMSample.token_fields``), with the inactive value the pack
 # gives a sample that lacks one and the collator gives padding: 0 = text (``token_type_ids``: 1 on image soft
-# tokens; ``mm_token_type_ids``: 1 image, 2 video). A new field is one entry here.
-TOKEN_FIELD_PADS: dict[str, int] = {"token_type_ids": 0, "mm_token_type_ids": 0}
+# tokens; ``mm_token_type_ids``: 1 image, 2 video; ``pair_branch_ids``: a preference pair's prefix 0 / chosen 1 /
+# rejected 2, read by the engine's masks and positions only, ``pairs.py``). A new field is one entry here.
+TOKEN_FIELD_PADS: dict[str, int] = {"token_type_ids": 0, "mm_token_type_ids": 0, "pair_branch_ids": 0}
 
 
 @dataclass

@@ -1,0 +1,81 @@
+"""Preference pairs in a packed row: the branch id (``pair_branch_ids``: 0 prefix, 1 chosen, 2 rejected; 0 for every
+token of an ordinary sample and of padding) beside the segment id, read by the masks and the positions.
+
+A pair is one segment: its prefix, then its two continuations (``mvp_engine.kit.mllm.data.pairs``). Within the
+segment a token sees the prefix and its own branch, causally (:func:`same_branch_or_prefix`, and'ed with the
+segment and causal predicates every mask form already applies); positions of the rejected continuation restart
+where the chosen one began (:func:`branch_position_offsets`). Outside pairs the branch ids are all 0 and the
+predicate is always true, so ordinary samples packed beside pairs are masked exactly as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mvp_engine.kit.mllm.data.pairs import BRANCH_FIELD, CHOSEN, PREFIX, REJECTED
+
+from .masks import Predicate
+from .segments import segment_run_ids
+
+
+def batch_branches(batch: Mapping[str, Any]) -> torch.Tensor | None:
+    """The batch's (B, L) branch ids, or None when it holds no pair (the field absent or all 0)."""
+    branches = batch.get(BRANCH_FIELD)
+    if branches is None or not bool((branches != PREFIX).any()):
+        return None
+    if branches.shape != batch["pack_segment_ids"].shape:
+        raise ValueError(f"{BRANCH_FIELD} {tuple(branches.shape)} and pack_segment_ids "
+                         f"{tuple(batch['pack_segment_ids'].shape)} differ")
+    return branches
+
+
+def branch_position_offsets(segment_ids: torch.Tensor, branches: torch.Tensor) -> torch.Tensor:
+    """(B, L) what to subtract from per-segment positions: on a rejected token, its segment's chosen-token count
+    (so both continuations continue from the prefix), 0 elsewhere."""
+    runs = segment_run_ids(segment_ids)
+    chosen = torch.zeros(runs.shape[0], int(runs.max()) + 1 if runs.numel() else 1, dtype=torch.long,
+                         device=runs.device)
+    chosen.scatter_add_(1, runs, (branches == CHOSEN).long())
+    return torch.where(branches == REJECTED, chosen.gather(1, runs), 0)
+
+
+@dataclass(frozen=True, eq=False)
+class _SameBranchOrPrefix(Predicate):
+    """kv is a prefix token (branch 0) or in the query's branch."""
+
+    branches: torch.Tensor
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        kv = self.branches[b, kv_idx]
+        return (kv == PREFIX) | (kv == self.branches[b, q_idx])
+
+    def tiles(self, starts, ends):
+        # exact on *all* (a key block of prefix tokens only, or both blocks inside one branch), *any* claimed
+        # everywhere: flex then evaluates the mask on the block pair, never wrong
+        lo = torch.stack([self.branches[:, s:e + 1].amin(-1) for s, e in zip(starts.tolist(), ends.tolist())], -1)
+        hi = torch.stack([self.branches[:, s:e + 1].amax(-1) for s, e in zip(starts.tolist(), ends.tolist())], -1)
+        one = lo == hi
+        key_prefix = (hi == PREFIX)[:, None, :]
+        same = one[:, :, None] & one[:, None, :] & (lo[:, :, None] == lo[:, None, :])
+        all_ = key_prefix | same
+        return torch.ones_like(all_), all_
+
+
+def same_branch_or_prefix(branches: torch.Tensor) -> Predicate:
+    """The pair predicate over (B, L) branch ids: a continuation never sees the other (module docstring)."""
+    if branches.dim() != 2:
+        raise ValueError(f"{BRANCH_FIELD} must be (B, L), got shape {tuple(branches.shape)}")
+    return _SameBranchOrPrefix(branches)
+
+
+def branch_views(branches: torch.Tensor) -> list[torch.Tensor]:
+    """Indices (into a segment's 1-D ``branches``) of the sequences a pair segment stands for: prefix + chosen and
+    prefix + rejected; the whole segment when it is no pair."""
+    if not bool((branches != PREFIX).any()):
+        return [torch.arange(branches.numel(), device=branches.device)]
+    prefix = branches == PREFIX
+    return [(prefix | (branches == branch)).nonzero().view(-1) for branch in (CHOSEN, REJECTED)]
