@@ -180,7 +180,7 @@ class _PackedDatasetBase:
         if isinstance(self.records, RecordStore):
             spec = self.data_spec
             return measure_store(self.records, self.encoder, self.bad_records, spec.cache_dir, spec.measure_workers,
-                                 spec.measure_cache)
+                                 spec.measure_cache, rank=self.rank, world_size=self.world_size)
         return measure_list(self.records, self.encoder, self.bad_records)
 
     @cached_property

@@ -8,7 +8,8 @@ predict exactly what ``encode`` (pixels) will produce, so a whole epoch is plann
 
 Failures are :class:`MLLMRecordError` s whose message starts with the path and whose ``reason`` says what went
 wrong: ``missing_image``, ``decompression_bomb`` (Pillow's pixel limit, checked when the file is opened, so both
-functions see it), else ``unreadable_image`` for a header and ``corrupt_image`` for pixels.
+functions see it), else ``unreadable_image`` for a header and ``corrupt_image`` for pixels. A path may name a
+member of a tar shard (``members.py``), read in place.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import os
 import numpy as np
 from PIL import Image
 
+from mvp_engine.kit.mllm.data.members import open_media
 from mvp_engine.kit.mllm.data.sources import MLLMRecordError
 
 _EXIF_ORIENTATION = 0x0112
@@ -39,7 +41,7 @@ _IMAGE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
 def read_image_size(path: str | os.PathLike) -> tuple[int, int]:
     """``(width, height)`` of the image as :func:`load_image` returns it, from the file header only."""
     try:
-        with Image.open(path) as image:
+        with Image.open(open_media(path)) as image:
             width, height = image.size
             orientation = _header_orientation(image)
     except _IMAGE_ERRORS as exc:
@@ -57,7 +59,7 @@ def load_image(path: str | os.PathLike) -> Image.Image:
     greyscale is scaled to 8 bits (Pillow's own conversion clips it at 255, turning almost every pixel white).
     """
     try:
-        with Image.open(path) as image:
+        with Image.open(open_media(path)) as image:
             orientation = _header_orientation(image)
             image.load()
             if image.mode == "I" or image.mode.startswith("I;16"):

@@ -23,10 +23,13 @@ what it wrote. Several nodes share the work when the cache folder is on a shared
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
+import socket
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,8 +41,10 @@ import pyarrow.feather as feather
 from filelock import FileLock, Timeout
 
 from .bad_records import BadRecordReport
+from .members import is_member_path
 from .sample import MLLMRecord, MLLMSample, MLLMSampleEncoder, SampleMeta
-from .sources import MLLMRecordError, parse_record
+from .share import run_shares
+from .sources import MLLMRecordError
 from .store import RecordStore, SourceRows, digest
 
 MEASURE_FORMAT = 3  # bump when the cached columns change meaning (2: media_tokens, media_sq; 3: media confined)
@@ -124,25 +129,35 @@ def encode_as_measured(encoder: MLLMSampleEncoder, record: MLLMRecord, measured_
 
 
 def measure_store(store: RecordStore, encoder: MLLMSampleEncoder, report: BadRecordReport,
-                  cache_dir: str | os.PathLike | None = None, workers: int = 0, use_cache: bool = True) -> SampleMetas:
+                  cache_dir: str | os.PathLike | None = None, workers: int = 0, use_cache: bool = True,
+                  rank: int = 0, world_size: int = 1) -> SampleMetas:
     """Every record of ``store`` measured (or read from the cache); bad ones go to ``report`` in record order
-    (under ``on_bad_record=error`` the first one is raised)."""
+    (under ``on_bad_record=error`` the first one is raised). The shards of shard sources are shared out: this
+    process (rank ``rank`` of ``world_size``, with ``workers`` processes of its own) measures the ones no other
+    process has taken, its own share first (``share.py``), then reads them all from the cache."""
     fingerprint = encoder_fingerprint(encoder) if use_cache else None
     workers = workers or os.cpu_count() or 1
+    units = [(table, _Measure(rows, encoder, store.allow_leading_assistant), identity, sharded)
+             for parts in store.parts for sharded in [len(parts) > 1] for table, rows, identity in parts]
+    folders = [None] * len(units)
+    if fingerprint is not None:
+        root = Path(cache_dir or default_cache_dir()) / "measure"
+        folders = [root / digest([MEASURE_FORMAT, identity, fingerprint, measure.rows.image_root,
+                                  sorted(measure.rows.media_roots), store.allow_leading_assistant,
+                                  store.max_record_bytes]) for _, measure, identity, _ in units]
+        shared = [(table, measure, folder) for (table, measure, _, sharded), folder in zip(units, folders)
+                  if sharded and len(table)]
+        run_shares(functools.partial(_claim, shared), len(shared), rank, world_size, workers)
     parts = []
-    for (table, rows), source_fingerprint in zip(store.sources, store.fingerprints):
-        measure = _Measure(rows, encoder, store.allow_leading_assistant)
+    for (table, measure, _, sharded), folder in zip(units, folders):
         if not len(table):  # nothing to measure (``map`` over no rows returns no columns at all)
             columns = {name: np.zeros(0, dtype=_dtype(name)) for name in META_COLUMNS}
             columns.update(usable=np.zeros(0, dtype=bool), bad=[])
-        elif fingerprint is None:
+        elif folder is None:
             with tempfile.TemporaryDirectory() as scratch:
-                columns = _columns(_run_map(table, measure, Path(scratch), workers))
+                columns = _columns(_run_map(table, measure, Path(scratch), 1 if sharded else workers))
         else:
-            key = digest([MEASURE_FORMAT, source_fingerprint, fingerprint, rows.image_root, sorted(rows.media_roots),
-                          store.allow_leading_assistant, store.max_record_bytes])
-            columns = _columns(_cached_map(table, measure, Path(cache_dir or default_cache_dir()) / "measure" / key,
-                                           workers))
+            columns = _columns(_cached_map(table, measure, folder, workers))
         parts.append(columns)
     metas = SampleMetas(*(np.concatenate([p[name] for p in parts]) for name in META_COLUMNS),
                         usable=np.concatenate([p["usable"] for p in parts]))
@@ -168,9 +183,9 @@ class _Measure:
             try:
                 if isinstance(raw, MLLMRecordError):
                     raise raw
-                record = parse_record(raw, origin, self.rows.image_root, self.allow_leading_assistant,
-                                      source_dir=self.rows.source_dir, media_roots=self.rows.media_roots)
-                media, stage = record.media_paths, "measure"
+                record = self.rows.parse(raw, origin, self.allow_leading_assistant)
+                # a shard's members are covered by the shard's identity (the cache key), not watched one by one
+                media, stage = [p for p in record.media_paths if not is_member_path(p)], "measure"
                 meta = self.encoder.measure(record)
                 values, verdict = tuple(getattr(meta, name) for name in META_COLUMNS), (None,) * 4
             except MLLMRecordError as err:
@@ -201,9 +216,10 @@ def _run_map(table, measure: _Measure, folder: Path, workers: int):
                      new_fingerprint=folder.name, desc=f"measuring {measure.rows.name}")
 
 
-def _cached_map(table, measure: _Measure, folder: Path, workers: int):
+def _cached_map(table, measure: _Measure, folder: Path, workers: int, wait: bool = True, read: bool = True):
     """The measured table of one source from ``folder`` when it is complete and its media are unchanged, else
-    measured into it; one process at a time (the others wait, then read)."""
+    measured into it; one process at a time (the others wait, then read). ``wait=False``: None at once when another
+    process holds it; ``read=False``: True instead of the table (the shard share's claim)."""
     import datasets
 
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -211,6 +227,8 @@ def _cached_map(table, measure: _Measure, folder: Path, workers: int):
     try:
         lock.acquire(timeout=0)
     except Timeout:
+        if not wait:
+            return None
         print(f"waiting for another process to finish measuring {measure.rows.name} (cache {folder})", flush=True)
         lock.acquire()
     try:
@@ -218,6 +236,8 @@ def _cached_map(table, measure: _Measure, folder: Path, workers: int):
         if done.is_file():
             changed = _changed_media(folder / MEDIA)
             if not changed:
+                if not read:
+                    return True
                 files = json.loads(done.read_text())["files"]
                 return datasets.concatenate_datasets([datasets.Dataset.from_file(str(folder / f)) for f in files])
             print(f"{measure.rows.name}: {changed} media file(s) changed since they were measured; measuring again",
@@ -227,10 +247,35 @@ def _cached_map(table, measure: _Measure, folder: Path, workers: int):
         measured = _run_map(table, measure, folder, workers)
         _write_media(measured, folder / MEDIA)
         files = [os.path.relpath(f["filename"], folder) for f in measured.cache_files]
-        done.write_text(json.dumps({"files": files, "rows": len(measured)}))
-        return measured
+        done.write_text(json.dumps({"files": files, "rows": len(measured), "measured_by": measured_by()}))
+        return measured if read else True
     finally:
         lock.release()
+
+
+def _claim(units: list[tuple], order: list[int]) -> None:
+    """Measure into the cache every unit of ``order`` (``(table, measure, folder)`` each) that no process has
+    measured, skipping those another process holds until they are done (``share.py``); one process each, the
+    shares being the parallelism."""
+    pending, waiting = list(dict.fromkeys(order)), False
+    while pending:
+        held = []
+        for i in pending:
+            table, measure, folder = units[i]
+            if not (folder / DONE).is_file() and _cached_map(table, measure, folder, 1, wait=False,
+                                                             read=False) is None:
+                held.append(i)
+        pending = held
+        if pending:
+            if not waiting:
+                print(f"waiting for {len(pending)} shard(s) other processes are measuring", flush=True)
+                waiting = True
+            time.sleep(0.2)
+
+
+def measured_by() -> dict:
+    """Who measured a cache entry (kept in its ``done.json``): the rank, the host and the process."""
+    return {"rank": int(os.environ.get("RANK", 0)), "host": socket.gethostname(), "pid": os.getpid()}
 
 
 def _columns(measured) -> dict:

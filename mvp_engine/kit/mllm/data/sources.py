@@ -182,16 +182,18 @@ def read_records(
 def parse_record(
     raw: Any, origin: str, image_root: str | os.PathLike, allow_leading_assistant: bool = False,
     source_dir: str | os.PathLike | None = None, media_roots: tuple[str, ...] | list[str] = (),
+    members: MediaMembers | None = None,
 ) -> MLLMRecord:
     """Validate one decoded JSON value and normalise it to an :class:`MLLMRecord` (see module docstring).
 
     Media paths resolve against ``image_root`` and must lie under it, under ``source_dir`` (the folder holding
-    the source; None: ``image_root`` alone) or under one of ``media_roots`` (``data.media_roots``). The error
+    the source; None: ``image_root`` alone) or under one of ``media_roots`` (``data.media_roots``). ``members``:
+    the media a record of a tar shard may name by member (``shards.py``), tried before the files. The error
     carries the record's ``id`` when it has a usable one, so a report can name the record.
     """
     folders = (os.path.abspath(image_root), os.path.abspath(source_dir or image_root),
                *map(os.path.abspath, media_roots))
-    roots = _MediaRoots(folders[0], tuple(dict.fromkeys(map(_real_folder, folders))))
+    roots = _MediaRoots(folders[0], tuple(dict.fromkeys(map(_real_folder, folders))), members)
     try:
         return _parse_record(raw, origin, roots, allow_leading_assistant)
     except MLLMRecordError as err:
@@ -560,18 +562,31 @@ def _fps(value: Any, where: str) -> float | None:
     return float(value)
 
 
+class MediaMembers:
+    """Media a record may name without a file of their own (the members of its key in a tar shard): ``find`` gives
+    the path string of the member a reference names, or None when it names none (then it is a file path)."""
+
+    def find(self, value: str, kind_name: str) -> str | None:
+        raise NotImplementedError
+
+
 @dataclass(frozen=True)
 class _MediaRoots:
     """Where a record's media may come from: relative paths join ``base``; every path must really lie (symlinks
-    resolved) under one of ``allowed`` (real paths: the image root, the source's folder, ``data.media_roots``)."""
+    resolved) under one of ``allowed`` (real paths: the image root, the source's folder, ``data.media_roots``);
+    ``members``: media named by member, looked up first."""
 
     base: str
     allowed: tuple[str, ...]
+    members: MediaMembers | None = None
 
     def resolve(self, value: str, where: str, kind: _Kind) -> str:
         """Absolute path of a media reference, checked to stay inside the allowed folders and to exist; ``where``
         prefixes the error message."""
         name = kind.name
+        member = self.members.find(value, name) if self.members is not None else None
+        if member is not None:
+            return member
         if value.startswith("file://"):
             value = value[len("file://") :]
         elif re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", value) and not re.match(r"^[A-Za-z]:[\\/]", value):

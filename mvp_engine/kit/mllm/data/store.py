@@ -41,6 +41,7 @@ import pyarrow as pa
 from filelock import FileLock
 
 from .sample import MLLMRecord
+from .shards import is_pattern, open_table_shards, open_tar_shards, shard_files
 from .sources import (
     DEFAULT_MAX_RECORD_BYTES,
     RECORD_TOO_LARGE,
@@ -55,6 +56,7 @@ STORE_FORMAT = 2  # bump when the Arrow layout of converted JSON sources changes
 _ROWS_PER_BATCH = 50_000
 _SCHEMA = pa.schema([("origin", pa.string()), ("raw", pa.binary()), ("refused", pa.string())])
 EDGE_BYTES = 64 * 1024  # bytes of each end of a file hashed into its identity
+SHARD_KINDS = ("webdataset", "parquet_shards", "arrow_shards")
 
 
 def file_identity(path: str | os.PathLike) -> list:
@@ -125,6 +127,11 @@ class SourceRows:
     def origin(self, table: Any, index: int) -> str:
         return table[index]["origin"] if self.json_rows else f"{self.name}#{index + 1}"
 
+    def parse(self, item: Any, origin: str, allow_leading_assistant: bool) -> MLLMRecord:
+        """A decoded record of :meth:`raw_records` parsed and validated (raises :class:`MLLMRecordError`)."""
+        return parse_record(item, origin, self.image_root, allow_leading_assistant, source_dir=self.source_dir,
+                            media_roots=self.media_roots)
+
     def record(self, table: Any, index: int, allow_leading_assistant: bool) -> MLLMRecord:
         """Row ``index`` parsed and validated (raises :class:`MLLMRecordError` for a bad one)."""
         row = table[index]
@@ -134,8 +141,7 @@ class SourceRows:
                 raise raw
         else:
             origin, raw = f"{self.name}#{index + 1}", row
-        return parse_record(raw, origin, self.image_root, allow_leading_assistant, source_dir=self.source_dir,
-                            media_roots=self.media_roots)
+        return self.parse(raw, origin, allow_leading_assistant)
 
 
 def _json_row(origin: str, raw: bytes, refused: str | None) -> Any:
@@ -149,13 +155,16 @@ class RecordStore:
     ``store[i]`` parses record ``i`` on demand; ``len(store)`` counts every record row (bad ones included, as the
     bad-record fraction counts them). ``sources`` pairs each table with its :class:`SourceRows`; ``fingerprints``
     says what each source's content is (:func:`source_identity`), for the measure cache, as does
-    ``max_record_bytes`` (the JSON rows it left without their text).
+    ``max_record_bytes`` (the JSON rows it left without their text). ``parts``: per source, the units it is
+    measured and cached in, ``(table, rows, identity)`` each: the source itself, or each shard of a shard source
+    (``shards.py``), in row order.
     """
 
-    def __init__(self, sources: list[tuple[Any, SourceRows, str]], allow_leading_assistant: bool = False,
+    def __init__(self, sources: list[tuple], allow_leading_assistant: bool = False,
                  max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES):
-        self.sources = [(table, rows) for table, rows, _ in sources]
-        self.fingerprints = [fingerprint for _, _, fingerprint in sources]
+        self.sources = [(source[0], source[1]) for source in sources]
+        self.fingerprints = [source[2] for source in sources]
+        self.parts = [source[3] if len(source) > 3 else [source[:3]] for source in sources]
         self.allow_leading_assistant = allow_leading_assistant
         self.max_record_bytes = max_record_bytes
         self.offsets = np.cumsum([0] + [len(table) for table, _ in self.sources])
@@ -196,21 +205,35 @@ class RecordStore:
 
 
 def source_kind(path: str | os.PathLike) -> str:
-    """What ``path`` is as a source: ``"json"``, ``"jsonl"``, ``"parquet"`` or ``"saved"`` (a folder written by
-    ``datasets``' ``save_to_disk``); otherwise an :class:`MLLMRecordError` (reason ``invalid_source``) naming the
-    path and why not. The one place that decides what a source is: the run's config check asks it before anything
-    is read, and :meth:`RecordStore.open` opens a source by it."""
+    """What ``path`` is as a source: ``"json"``, ``"jsonl"``, ``"parquet"``, ``"saved"`` (a folder written by
+    ``datasets``' ``save_to_disk``), or a shard source (``shards.py``): ``"webdataset"`` (tar shards),
+    ``"parquet_shards"`` or ``"arrow_shards"``; otherwise an :class:`MLLMRecordError` (reason ``invalid_source``)
+    naming the path and why not. The one place that decides what a source is: the run's config check asks it before
+    anything is read, and :meth:`RecordStore.open` opens a source by it."""
     path = Path(path)
     if path.is_dir():
-        _saved_folder(path)
+        try:
+            _saved_folder(path)
+        except MLLMRecordError as err:
+            shards = shard_files(path)
+            if shards is None:
+                raise MLLMRecordError(f"{err}; nor does it hold .tar, .parquet or .arrow shards",
+                                      "invalid_source") from None
+            return shards[0]
         kind = "saved"
+    elif (not path.exists() and is_pattern(path)) or path.suffix.lower() == ".tar":
+        shards = shard_files(path)
+        if shards is None:
+            raise MLLMRecordError(f"{path}: data source not found", "invalid_source")
+        return shards[0]
     elif not path.exists():
         raise MLLMRecordError(f"{path}: data source not found", "invalid_source")
     else:
         kind = path.suffix.lower().lstrip(".")
         if not path.is_file() or kind not in ("json", "jsonl", "parquet"):
-            raise MLLMRecordError(f"{path}: unsupported source {path.suffix!r} (expected .json, .jsonl, .parquet or "
-                                  "a folder written by datasets' save_to_disk)", "invalid_source")
+            raise MLLMRecordError(f"{path}: unsupported source {path.suffix!r} (expected .json, .jsonl, .parquet, a "
+                                  "folder written by datasets' save_to_disk, or shards: .tar, .parquet or .arrow "
+                                  "files by folder or pattern)", "invalid_source")
     if not os.access(path, os.R_OK | (os.X_OK if path.is_dir() else 0)):
         raise MLLMRecordError(f"{path}: data source is not readable (permissions)", "invalid_source")
     return kind
@@ -240,10 +263,12 @@ def _saved_folder(path: Path) -> Path:
 
 
 def _open_source(path: Path, cache: Path, image_root: str | None, max_record_bytes: int,
-                 media_roots: tuple[str, ...]) -> tuple[Any, SourceRows, str]:
+                 media_roots: tuple[str, ...]) -> tuple:
     import datasets
 
     kind = source_kind(path)
+    if kind in SHARD_KINDS:
+        return _open_shards(kind, path, cache, image_root, max_record_bytes, media_roots)
     folder = os.path.abspath(path.parent)
     root = os.path.abspath(image_root) if image_root is not None else folder
     identity = source_identity(path)
@@ -256,6 +281,21 @@ def _open_source(path: Path, cache: Path, image_root: str | None, max_record_byt
     arrow = _converted_json(path, cache / "records", identity, max_record_bytes)
     rows = SourceRows(str(path), root, folder, json_rows=True, media_roots=media_roots)
     return datasets.Dataset.from_file(str(arrow)), rows, identity
+
+
+def _open_shards(kind: str, path: Path, cache: Path, image_root: str | None, max_record_bytes: int,
+                 media_roots: tuple[str, ...]) -> tuple:
+    """A shard source: its concatenated table, its rows, its identity (its shards' together) and its shards as the
+    measure pass's units."""
+    _, files = shard_files(path)
+    folder = os.path.commonpath([os.path.dirname(os.path.abspath(f)) for f in files])
+    root = os.path.abspath(image_root) if image_root is not None else folder
+    if kind == "webdataset":
+        table, rows, parts = open_tar_shards(files, cache / "shards", root, folder, media_roots, str(path),
+                                             max_record_bytes)
+    else:
+        table, rows, parts = open_table_shards(kind, files, cache, root, folder, media_roots, str(path))
+    return table, rows, digest([identity for _, _, identity in parts]), parts
 
 
 def _converted_json(path: Path, cache: Path, identity: str, max_record_bytes: int) -> Path:

@@ -31,6 +31,7 @@ import av
 from PIL import Image
 
 from .images import load_image, read_image_size
+from .members import open_media
 from .sources import MLLMRecordError
 
 DEFAULT_FRAME_FOLDER_FPS = 2.0  # Qwen's sampling rate: by default a folder's frames are all kept, as given
@@ -56,7 +57,7 @@ def read_video_info(path: str | os.PathLike, fps: float | None = None) -> VideoI
     if os.path.isdir(path):
         return _folder_info(path, fps or DEFAULT_FRAME_FOLDER_FPS)
     try:
-        with av.open(path) as container:
+        with av.open(open_media(path)) as container:
             if not container.streams.video:
                 raise MLLMRecordError(f"{path}: cannot read video header: no video stream", "unreadable_video")
             stream = container.streams.video[0]
@@ -86,7 +87,7 @@ def load_video_frames(info: VideoInfo, indices: list[int]) -> list[Image.Image]:
             raise MLLMRecordError(f"{info.path}: cannot load frame: {err}", "corrupt_video") from None
     wanted, frames = set(indices), {}
     try:
-        with av.open(info.path) as container:
+        with av.open(open_media(info.path)) as container:
             stream = container.streams.video[0]
             stream.thread_type = "AUTO"
             for i, frame in enumerate(container.decode(stream)):

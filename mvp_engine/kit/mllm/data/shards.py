@@ -1,0 +1,330 @@
+"""Sharded sources: WebDataset tar shards and folders of parquet / Arrow files, each one ``data.sources`` entry.
+
+Web-scale corpora come as hundreds of shards. A shard source is one entry whose ``path`` is a glob or brace pattern
+(``/data/cc/shard-{0000..0999}.tar``, ``/data/cc/*.tar``, expanded by ``webdataset``'s own ``expand_urls`` and then
+globbed, in that order), a single ``.tar``, or a folder holding ``.tar``, ``.parquet`` or ``.arrow`` files (one
+kind; a folder written by ``save_to_disk`` stays a saved data set). Its records are the shards' records in shard
+order, so a plan over it is a plan over (shard, member) ids, and every shard is a unit of its own for the measure
+pass (``measure.py``): ranks measure disjoint shares of the shards and cache each shard's table on its own.
+
+**WebDataset tars.** Members are grouped into samples by key, as WebDataset groups them (``base_plus_ext``: the
+member name up to the first dot of its last component). A key's ``.json`` member holds the record, in any accepted
+format (LLaVA ``conversations``, ShareGPT, OpenAI ``messages``); its ``.jpg`` / ``.jpeg`` / ``.png`` / ``.webp``
+(and other image) members and ``.mp4`` / ``.webm`` / ``.mkv`` / ``.avi`` / ``.mov`` members are its media. The
+record names a medium by the member's name (``000123.jpg``) or extension (``jpg``) wherever it would name a file
+(``image`` / ``images`` / ``video`` / ``videos``, OpenAI parts); a record that names no medium of a kind takes its
+key's members of that kind, in member order, as its top-level list (placed by its ``<image>`` / ``<video>`` tags or
+at the start of the first user turn, as in a JSON source). A name that is no member of the key is a file path, read
+as a JSON source reads it. Media are read in place (``members.py``), never extracted.
+
+Random access needs each member's byte offset, which a streaming reader (``webdataset.WebDataset``) does not keep,
+so each shard's index is built here with Python's ``tarfile`` (headers only: the data of every member is skipped
+by a seek), once, and kept in the cache (``<cache>/shards``) as an Arrow file keyed by the shard's identity
+(``store.file_identity``), as converted JSON files are: one row per key with its origin ``shard.tar#key``, where its
+``.json`` member lies and its media members. Bad members are bad records named by that origin: a key without a
+``.json`` member (``no_record_member``), a member cut short by the end of the file (``truncated_member``; a shard
+whose tail is lost keeps the keys before it), then at measure time invalid JSON (``invalid_json``), a medium that
+is neither a member nor a file (``missing_image`` / ``missing_video``), an image whose header does not read
+(``unreadable_image``), and while encoding one whose pixels do not decode (``corrupt_image``).
+
+**Parquet and Arrow folders.** Each file is read as a single parquet / saved-Arrow source is (``store.py``): rows are
+records, origin ``file#row`` (1-based, per file).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import tarfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+from filelock import FileLock
+
+from .members import member_path
+from .sample import MLLMRecord
+from .sources import (
+    DEFAULT_MAX_RECORD_BYTES,
+    MediaMembers,
+    MLLMRecordError,
+    decode_json_line,
+    parse_record,
+    record_too_large,
+)
+
+SHARD_INDEX_FORMAT = 1  # bump when the columns of a shard's index change
+SHARD_SUFFIXES = {".tar": "webdataset", ".parquet": "parquet_shards", ".arrow": "arrow_shards"}
+IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff"})
+VIDEO_EXTENSIONS = frozenset({"mp4", "webm", "mkv", "avi", "mov"})
+NO_RECORD_MEMBER = "no_record_member"
+TRUNCATED_MEMBER = "truncated_member"
+_PATTERN_CHARS = set("*?[{")
+_INDEX_SCHEMA = pa.schema([("origin", pa.string()), ("shard", pa.int32()), ("json_offset", pa.int64()),
+                           ("json_size", pa.int64()), ("media_names", pa.list_(pa.string())),
+                           ("media_offsets", pa.list_(pa.int64())), ("media_sizes", pa.list_(pa.int64())),
+                           ("refused", pa.string()), ("refused_reason", pa.string())])
+
+
+def is_pattern(path: str | os.PathLike) -> bool:
+    return bool(_PATTERN_CHARS & set(str(path)))
+
+
+def shard_files(path: str | os.PathLike) -> tuple[str, list[str]] | None:
+    """``(kind, files)`` of a shard source, None when ``path`` is no shard source (a plain file, a saved data set,
+    nothing). A pattern that matches nothing, or matches files of several kinds, is an ``invalid_source`` error."""
+    text = str(path)
+    if is_pattern(text):
+        from webdataset.shardlists import expand_urls
+
+        files = list(dict.fromkeys(f for part in expand_urls(text) for f in
+                                   (sorted(glob.glob(part)) if is_pattern(part) else [part] if os.path.isfile(part)
+                                    else [])))
+        if not files:
+            raise MLLMRecordError(f"{text}: data source not found (the pattern matches no file)", "invalid_source")
+    elif os.path.isdir(text):
+        files = sorted(str(f) for f in Path(text).iterdir() if f.is_file() and f.suffix.lower() in SHARD_SUFFIXES)
+        if not files:
+            return None
+    elif text.lower().endswith(".tar"):
+        files = [text] if os.path.isfile(text) else []
+        if not files:
+            return None
+    else:
+        return None
+    kinds = {SHARD_SUFFIXES.get(Path(f).suffix.lower()) for f in files}
+    if len(kinds) != 1 or None in kinds:
+        raise MLLMRecordError(f"{text}: a shard source holds one kind of shard (.tar, .parquet or .arrow), found "
+                              f"{sorted({Path(f).suffix or f for f in files})}", "invalid_source")
+    unreadable = next((f for f in files if not os.access(f, os.R_OK)), None)
+    if unreadable is not None:
+        raise MLLMRecordError(f"{text}: shard {unreadable} is not readable (permissions)", "invalid_source")
+    return kinds.pop(), files
+
+
+# --- the tar index ---------------------------------------------------------------------------------------------
+
+
+def shard_index(shard: str, number: int, cache: Path, identity: str) -> Path:
+    """The cached index of one tar shard (built under a file lock, published by rename, as converted JSON is)."""
+    from .store import digest
+
+    cache.mkdir(parents=True, exist_ok=True)
+    target = cache / f"{Path(shard).stem[:40]}-{digest([SHARD_INDEX_FORMAT, identity, number])}.arrow"
+    with FileLock(str(target) + ".lock"):
+        if not target.exists():
+            partial = target.with_suffix(".partial")
+            columns = _index_columns(shard, number)
+            with pa.OSFile(str(partial), "wb") as sink, pa.ipc.new_stream(sink, _INDEX_SCHEMA) as writer:
+                writer.write_batch(pa.record_batch([pa.array(columns[name], kind) for name, kind in
+                                                    zip(_INDEX_SCHEMA.names, _INDEX_SCHEMA.types)],
+                                                   schema=_INDEX_SCHEMA))
+            os.replace(partial, target)
+    return target
+
+
+def _index_columns(shard: str, number: int) -> dict[str, list]:
+    """One row per key of ``shard``, in member order: where its record and media lie, or why it is refused."""
+    from webdataset.tariterators import base_plus_ext
+
+    size = os.path.getsize(shard)
+    keys: dict[str, dict[str, Any]] = {}
+    try:
+        # "r:" (uncompressed): a member's bytes can then be read at their offset; iterating reads headers only
+        with tarfile.open(shard, "r:") as tar:
+            for info in tar:
+                base, extension = base_plus_ext(info.name)
+                if not info.isfile() or base is None:
+                    continue
+                entry = keys.setdefault(base, {"json": None, "media": [], "refused": None})
+                if info.offset_data + info.size > size:
+                    entry["refused"] = (f"{shard}#{base}: member {info.name} is cut short ({size - info.offset_data} "
+                                        f"of {info.size} bytes in the shard)", TRUNCATED_MEMBER)
+                elif extension.lower() == "json":
+                    entry["json"] = (info.offset_data, info.size)
+                elif extension.rsplit(".", 1)[-1].lower() in IMAGE_EXTENSIONS | VIDEO_EXTENSIONS:
+                    entry["media"].append((info.name, info.offset_data, info.size))
+    except tarfile.ReadError:
+        pass  # the shard's tail is lost: the keys before it stand, the one cut short was marked above
+    except tarfile.TarError as err:
+        raise MLLMRecordError(f"{shard}: not a readable tar shard ({err})", "invalid_source") from None
+    columns: dict[str, list] = {name: [] for name in _INDEX_SCHEMA.names}
+    for key, entry in keys.items():
+        refused = entry["refused"]
+        if refused is None and entry["json"] is None:
+            refused = (f"{shard}#{key}: the key has no .json member (its record)", NO_RECORD_MEMBER)
+        offset, length = entry["json"] or (0, 0)
+        for name, value in (("origin", f"{shard}#{key}"), ("shard", number), ("json_offset", offset),
+                            ("json_size", length), ("media_names", [m[0] for m in entry["media"]]),
+                            ("media_offsets", [m[1] for m in entry["media"]]),
+                            ("media_sizes", [m[2] for m in entry["media"]]),
+                            ("refused", refused and refused[0]), ("refused_reason", refused and refused[1])):
+            columns[name].append(value)
+    return columns
+
+
+class _KeyMembers(MediaMembers):
+    """The media members of one key, found by member name or extension (``sources.MediaMembers``)."""
+
+    def __init__(self, shard: str, names: list[str], offsets: list[int], sizes: list[int]):
+        self.paths = {name: member_path(shard, name, offset, size)
+                      for name, offset, size in zip(names, offsets, sizes)}
+        self.by_extension = {name.split(".", 1)[-1].lower(): path for name, path in self.paths.items()}
+
+    def find(self, value: str, kind_name: str) -> str | None:
+        return self.paths.get(value) or self.by_extension.get(value.lstrip(".").lower())
+
+    def of_kind(self, kind_name: str) -> list[str]:
+        """Member names of media of ``kind_name`` (``image`` / ``video``), in member order."""
+        extensions = IMAGE_EXTENSIONS if kind_name == "image" else VIDEO_EXTENSIONS
+        return [name for name in self.paths if name.rsplit(".", 1)[-1].lower() in extensions]
+
+
+def _names_media(raw: dict, kind_name: str) -> bool:
+    """Whether the record names media of a kind itself: a top-level key, or an OpenAI part with a source."""
+    if raw.get(kind_name) is not None or raw.get(f"{kind_name}s") is not None:
+        return True
+    types = {kind_name, f"{kind_name}_url"}
+    return any(isinstance(part, dict) and part.get("type") in types and
+               any(part.get(key) is not None for key in ("path", kind_name, f"{kind_name}_url"))
+               for turn in raw.get("messages") or [] if isinstance(turn, dict)
+               for part in (turn.get("content") if isinstance(turn.get("content"), list) else []))
+
+
+def with_key_media(raw: Any, members: _KeyMembers) -> Any:
+    """``raw`` given its key's media members of each kind it names none of, as its top-level list."""
+    if not isinstance(raw, dict):
+        return raw
+    for kind_name in ("image", "video"):
+        names = members.of_kind(kind_name)
+        if names and not _names_media(raw, kind_name):
+            raw = {**{key: value for key, value in raw.items() if key != kind_name}, f"{kind_name}s": names}
+    return raw
+
+
+@dataclass
+class TarShardRows:
+    """A WebDataset source's rows (one per key, the index of :func:`shard_index`) and how they become records; the
+    ``SourceRows`` interface of ``store.py``. Picklable without the table, for ``datasets.map`` workers."""
+
+    name: str
+    image_root: str
+    source_dir: str
+    shards: tuple[str, ...]
+    media_roots: tuple[str, ...] = ()
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+
+    def raw_records(self, batch: dict[str, list], indices: list[int]) -> Iterator[tuple[str, Any]]:
+        """``(origin, (decoded record, members) or MLLMRecordError)`` per row of a ``datasets`` batch."""
+        columns = [batch[name] for name in _INDEX_SCHEMA.names]
+        for row in zip(*columns):
+            yield row[0], self._raw(dict(zip(_INDEX_SCHEMA.names, row)))
+
+    def _raw(self, row: dict) -> tuple[Any, _KeyMembers] | MLLMRecordError:
+        origin = row["origin"]
+        if row["refused"] is not None:
+            return MLLMRecordError(row["refused"], row["refused_reason"])
+        shard = self.shards[row["shard"]]
+        if row["json_size"] > self.max_record_bytes:
+            return record_too_large(origin, row["json_size"], self.max_record_bytes)
+        try:
+            with open(shard, "rb") as handle:
+                handle.seek(row["json_offset"])
+                data = handle.read(row["json_size"])
+        except OSError as err:
+            return MLLMRecordError(f"{origin}: cannot read the record member: {err}", TRUNCATED_MEMBER)
+        raw = decode_json_line(data, origin)
+        if isinstance(raw, MLLMRecordError):
+            return raw
+        members = _KeyMembers(shard, row["media_names"], row["media_offsets"], row["media_sizes"])
+        return with_key_media(raw, members), members
+
+    def parse(self, item: Any, origin: str, allow_leading_assistant: bool) -> MLLMRecord:
+        raw, members = item
+        return parse_record(raw, origin, self.image_root, allow_leading_assistant, source_dir=self.source_dir,
+                            media_roots=self.media_roots, members=members)
+
+    def origin(self, table: Any, index: int) -> str:
+        return table[index]["origin"]
+
+    def record(self, table: Any, index: int, allow_leading_assistant: bool) -> MLLMRecord:
+        row = table[index]
+        item = self._raw(row)
+        if isinstance(item, MLLMRecordError):
+            raise item
+        return self.parse(item, row["origin"], allow_leading_assistant)
+
+
+def open_tar_shards(files: list[str], cache: Path, image_root: str, source_dir: str, media_roots: tuple[str, ...],
+                    name: str, max_record_bytes: int) -> tuple[Any, TarShardRows, list[tuple[Any, Any, str]]]:
+    """The index table of a WebDataset source (its shards' indexes, concatenated), its rows, and per shard its
+    index table, rows and identity (the measure pass's units)."""
+    import datasets
+
+    from .store import digest, file_identity
+
+    shards = tuple(os.path.abspath(f) for f in files)
+    parts = []
+    for number, shard in enumerate(shards):
+        identity = digest(file_identity(shard))
+        parts.append((datasets.Dataset.from_file(str(shard_index(shard, number, cache, identity))), identity))
+    rows = TarShardRows(name, image_root, source_dir, shards, media_roots, max_record_bytes)
+    return (datasets.concatenate_datasets([table for table, _ in parts]), rows,
+            [(table, rows, identity) for table, identity in parts])
+
+
+@dataclass
+class TableShardRows:
+    """A folder of parquet / Arrow files as one source: rows are records, origin ``file#row`` per file."""
+
+    name: str
+    image_root: str
+    source_dir: str
+    files: tuple[str, ...]
+    starts: tuple[int, ...]  # the first row of each file in the concatenated table, then the total
+    media_roots: tuple[str, ...] = ()
+
+    def _locate(self, index: int) -> tuple[int, int]:
+        part = int(np.searchsorted(self.starts, index, side="right")) - 1
+        return part, index - self.starts[part]
+
+    def raw_records(self, batch: dict[str, list], indices: list[int]) -> Iterator[tuple[str, Any]]:
+        keys = list(batch)
+        for j, index in enumerate(indices):
+            yield self.origin(None, index), {key: batch[key][j] for key in keys}
+
+    def parse(self, item: Any, origin: str, allow_leading_assistant: bool) -> MLLMRecord:
+        return parse_record(item, origin, self.image_root, allow_leading_assistant, source_dir=self.source_dir,
+                            media_roots=self.media_roots)
+
+    def origin(self, table: Any, index: int) -> str:
+        part, row = self._locate(index)
+        return f"{self.files[part]}#{row + 1}"
+
+    def record(self, table: Any, index: int, allow_leading_assistant: bool) -> MLLMRecord:
+        return self.parse(table[index], self.origin(table, index), allow_leading_assistant)
+
+
+def open_table_shards(kind: str, files: list[str], cache: Path, image_root: str, source_dir: str,
+                      media_roots: tuple[str, ...], name: str
+                      ) -> tuple[Any, TableShardRows, list[tuple[Any, Any, str]]]:
+    """A parquet / Arrow folder source: its concatenated table, its rows, and per file its table, rows (a file
+    source's, so its origins and its measure cache are the file's own) and identity."""
+    import datasets
+
+    from .store import SourceRows, source_identity
+
+    parts = []
+    for path in files:
+        if kind == "parquet_shards":
+            table = datasets.Dataset.from_parquet(path, cache_dir=str(cache / "parquet"))
+        else:
+            table = datasets.Dataset.from_file(path)
+        parts.append((table, SourceRows(path, image_root, source_dir, json_rows=False, media_roots=media_roots),
+                      source_identity(path)))
+    starts = tuple(np.cumsum([0] + [len(table) for table, _, _ in parts]).tolist())
+    rows = TableShardRows(name, image_root, source_dir, tuple(files), starts, media_roots)
+    return datasets.concatenate_datasets([table for table, _, _ in parts]), rows, parts

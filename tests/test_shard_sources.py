@@ -1,0 +1,188 @@
+"""Shard sources train what the same records train as one JSONL file, and name a bad member by its origin.
+
+The same eight records (images and text only) written as WebDataset tar shards (a brace pattern over two shards,
+images as members: half named by the record, half by extension only) and as a folder of parquet files train the
+same packs, steps (estimated == actual) and losses as the JSONL. ``tools/check_data.py`` reads a tar shard holding
+every kind of bad member and names each by ``shard.tar#key``. Two pooled ranks measure a set of shards together:
+each shard once (the encoder's calls counted on both ranks), and a second start measures none.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+from pathlib import Path
+
+import datasets
+import pytest
+
+import mvp_engine.engine.testing as kit
+from mvp_engine.engine.testkit.runs import run_on_ranks
+from mvp_engine.engine.trainer import Trainer
+from mvp_engine.kit.mllm.data import MLLMDataSpec, source_kind
+from mvp_engine.kit.mllm.data.bad_records import BadRecordReport
+from mvp_engine.kit.mllm.data.dataset import MLLMDataKit
+from mvp_engine.kit.mllm.data.measure import measure_store
+from tests.fakes import FakeEncoder
+from tools.check_data import check_records
+
+RECIPE = "llava"
+NUM_RECORDS = 8
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> Path:
+    """The folder of the rows' images: the JSONL and parquet sources lie elsewhere and name it ``data.image_root``."""
+    return tmp_path_factory.mktemp("rows")
+
+
+@pytest.fixture(scope="module")
+def rows(images) -> list[dict]:
+    """LLaVA records alternating image and text only; image paths absolute."""
+    jsonl = kit.write_mixed_jsonl(images, num_records=NUM_RECORDS)
+    return [json.loads(line) for line in jsonl.read_text().splitlines()]
+
+
+def add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data))
+
+
+def write_shards(folder: Path, rows: list[dict], shards: int) -> str:
+    """``rows`` as WebDataset shards ``shard-{0..shards-1}.tar`` in ``folder``; the brace pattern naming them.
+    Image records carry their image as the member ``<key>.png``: every other one names it, the rest leave it to be
+    found by extension."""
+    folder.mkdir(parents=True, exist_ok=True)
+    per_shard = -(-len(rows) // shards)
+    for s in range(shards):
+        with tarfile.open(folder / f"shard-{s}.tar", "w") as tar:
+            for i, row in enumerate(rows[s * per_shard:(s + 1) * per_shard], start=s * per_shard):
+                key, record = f"{i:06d}", dict(row)
+                image = record.pop("image", None)
+                if image is not None:
+                    if i % 4 == 0:
+                        record["image"] = f"{key}.png"
+                    add_member(tar, f"{key}.png", Path(image).read_bytes())
+                add_member(tar, f"{key}.json", json.dumps(record).encode())
+    return str(folder / f"shard-{{0..{shards - 1}}}.tar")
+
+
+def write_parquet_folder(folder: Path, rows: list[dict], files: int) -> str:
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = [{"image": None, **row} for row in rows]  # one schema in every file
+    per_file = -(-len(rows) // files)
+    for f in range(files):
+        datasets.Dataset.from_list(rows[f * per_file:(f + 1) * per_file]).to_parquet(str(folder / f"part-{f}.parquet"))
+    return str(folder)
+
+
+def train(source: str, out: Path, images: Path) -> dict:
+    cfg = kit.compose_config(RECIPE, ["+packing=greedy", f"data.sources=['{source}']", f"data.image_root={images}",
+                                      "data.max_seq_len=256",
+                                      "train.epochs=1", "train.micro_batch_size=1", f"train.output_dir={out}",
+                                      f"data.cache_dir={out / 'cache'}"])
+    trainer = Trainer(cfg, kit.load_recipe(RECIPE))
+    summary = trainer.run()
+    records = trainer.dataset.records
+    summary["record_ids"] = [records[i].record_id for i in range(len(records))]
+    summary["packs"] = [list(pack) for pack in trainer.dataset.plan(0).packs]
+    return summary
+
+
+@pytest.fixture(scope="module")
+def reference(rows, images, tmp_path_factory) -> dict:
+    directory = tmp_path_factory.mktemp("reference")
+    jsonl = directory / "data.jsonl"
+    jsonl.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return train(str(jsonl), directory / "run", images)
+
+
+@pytest.mark.parametrize("kind", ["webdataset", "parquet_shards"])
+def test_a_shard_source_trains_the_packs_and_steps_of_the_same_records_in_jsonl(rows, images, reference, tmp_path,
+                                                                               kind):
+    if kind == "webdataset":
+        source = write_shards(tmp_path / "shards", rows, shards=2)
+    else:
+        source = write_parquet_folder(tmp_path / "parquet", rows, files=3)
+    assert source_kind(source) == kind
+    summary = train(source, tmp_path / "run", images)
+    assert summary["record_ids"] == [row["id"] for row in rows] == reference["record_ids"]
+    assert summary["packs"] == reference["packs"]
+    [ledger] = summary["epochs"]
+    assert ledger["samples_trained"] == NUM_RECORDS and ledger["reconciles"] and not ledger["bad"]
+    assert summary["estimated_steps"] == summary["actual_steps"] == reference["actual_steps"] > 0
+    assert summary["totals"] == reference["totals"] and summary["losses"] == reference["losses"]
+
+
+def test_check_data_names_each_bad_member_by_shard_and_key(rows, tmp_path):
+    """A shard with one of each bad member: invalid JSON, a key without a record, a medium that is no member and
+    no file, an image whose body does not decode, and a last member cut short by the end of the file."""
+    image_row, text_row = rows[0], rows[1]
+    png = Path(image_row["image"]).read_bytes()
+    shard = tmp_path / "bad.tar"
+    with tarfile.open(shard, "w") as tar:
+        add_member(tar, "good.json", json.dumps({**image_row, "image": "good.png"}).encode())
+        add_member(tar, "good.png", png)
+        add_member(tar, "broken.json", b'{"conversations": [')
+        add_member(tar, "orphan.png", png)
+        add_member(tar, "absent.json", json.dumps({**image_row, "id": "absent", "image": "nowhere.png"}).encode())
+        add_member(tar, "cut.json", json.dumps({**image_row, "id": "cut", "image": None}).encode())
+        add_member(tar, "cut.png", png[:len(png) // 2])
+        add_member(tar, "text.json", json.dumps(text_row).encode())
+        add_member(tar, "tail.json", json.dumps(text_row).encode())
+    data = shard.read_bytes()
+    end = data.index(b"tail.json") + 512 + 4  # the last member's header and 4 bytes of its data
+    shard.write_bytes(data[:end])
+    cfg = kit.compose_config(RECIPE, [f"data.sources=[{shard}]", f"data.cache_dir={tmp_path / 'cache'}"])
+    report = check_records(cfg, RECIPE, decode=True, workers=1)
+    assert {bad.origin: (bad.reason, bad.stage) for bad in report.records.values()} == {
+        f"{shard}#broken": ("invalid_json", "read"), f"{shard}#orphan": ("no_record_member", "read"),
+        f"{shard}#absent": ("missing_image", "read"), f"{shard}#cut": ("corrupt_image", "decode"),
+        f"{shard}#tail": ("truncated_member", "read")}
+    assert report.records_read == 7
+
+
+class CountingEncoder(FakeEncoder):
+    """FakeEncoder with a fingerprint (so its measures are cached) that counts the records it measures."""
+
+    def __init__(self):
+        self.measured: list[str] = []
+
+    def fingerprint(self) -> str:
+        return "counting-fake"
+
+    def measure(self, record):
+        self.measured.append(record.origin)
+        return super().measure(record)
+
+
+def measure_on_rank(rank: int, source: str, cache: str) -> dict:
+    """One rank's measure pass over ``source`` (``measure_workers=1``: the share is the rank's alone), twice."""
+    world_size = int(os.environ["WORLD_SIZE"])
+    spec = MLLMDataSpec(sources=[source], cache_dir=cache, measure_workers=1)
+    store = MLLMDataKit.open_store(spec)
+    cold, warm = CountingEncoder(), CountingEncoder()
+    metas = measure_store(store, cold, BadRecordReport(), cache, 1, rank=rank, world_size=world_size)
+    again = measure_store(store, warm, BadRecordReport(), cache, 1, rank=rank, world_size=world_size)
+    return {"cold": cold.measured, "warm": warm.measured, "lengths": metas.length.tolist(),
+            "again": again.length.tolist()}
+
+
+@pytest.mark.launch
+def test_two_ranks_measure_each_shard_once_and_a_warm_start_measures_none(tmp_path):
+    shards, per_shard = 6, 3
+    records = [{"id": f"r{i}", "conversations": [{"from": "human", "value": f"{5 + i} 0"},
+                                                 {"from": "gpt", "value": "ok"}]} for i in range(shards * per_shard)]
+    source = write_shards(tmp_path / "shards", records, shards=shards)
+    ranks = run_on_ranks(2, measure_on_rank, source, str(tmp_path / "cache"))
+    measured = [origin for rank in ranks for origin in rank["cold"]]
+    assert sorted(measured) == sorted(f"{tmp_path / 'shards'}/shard-{i // per_shard}.tar#{i:06d}"
+                                      for i in range(len(records)))  # every record once, over both ranks
+    for result in ranks:  # a shard is measured whole by one rank (which one: the first to claim it)
+        for shard in {origin.split("#")[0] for origin in result["cold"]}:
+            assert sum(origin.startswith(f"{shard}#") for origin in result["cold"]) == per_shard
+        assert result["warm"] == []
+        assert result["lengths"] == result["again"] == [5 + i for i in range(len(records))]
