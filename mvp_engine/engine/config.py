@@ -42,6 +42,8 @@ MIXED_PRECISION = ("no", "bf16", "fp16")
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 HALF_DTYPES = tuple(AUTOCAST_DTYPES.values())  # what flash attention kernels compute in
 SHARDINGS = ("none", "fsdp2")  # train.sharding (mvp_engine.engine.sharding)
+# train.router_aux_loss_scope: over what the load-balancing loss's expert fractions are counted (router_balance.py)
+ROUTER_AUX_SCOPES = ("step", "micro_batch")
 # The Hydra config root: conf/<recipe>.yaml is each recipe's primary config.
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
@@ -92,6 +94,11 @@ class TrainSpec:
     # last of each step only (one reduce-scatter per step; each rank keeps its units' unsharded fp32 gradients
     # until then); DDP syncs after the last either way (train_step.py)
     grad_sync: str = "every"
+    # mixture-of-experts models (router_balance.py): the load-balancing loss's coefficient (null: the model config's
+    # where its own aux loss is on, else 0) and over what its expert fractions are counted: the whole optimizer step
+    # (exact: one extra no-grad forward per micro-batch) or each micro-batch summed over the ranks
+    router_aux_loss_coef: float | None = None
+    router_aux_loss_scope: str = "step"
 
     def __post_init__(self) -> None:
         for name in ("epochs", "micro_batch_size", "gradient_accumulation_steps", "log_every", "keep_last",
@@ -142,6 +149,12 @@ class TrainSpec:
             raise ConfigError(f"train.num_workers={workers!r} is invalid: allowed {AUTO_WORKERS!r} or an int >= 0")
         if self.grad_sync not in GRAD_SYNCS:
             raise ConfigError(f"train.grad_sync={self.grad_sync!r} is invalid: allowed one of {list(GRAD_SYNCS)}")
+        coef = self.router_aux_loss_coef
+        if coef is not None and (isinstance(coef, bool) or not isinstance(coef, (int, float)) or coef < 0):
+            raise ConfigError(f"train.router_aux_loss_coef={coef!r} is invalid: allowed null or a float >= 0")
+        if self.router_aux_loss_scope not in ROUTER_AUX_SCOPES:
+            raise ConfigError(f"train.router_aux_loss_scope={self.router_aux_loss_scope!r} is invalid: allowed one "
+                              f"of {list(ROUTER_AUX_SCOPES)}")
         if self.resume_from not in (None, "auto") and not Path(self.resume_from).is_dir():
             raise ConfigError(f"train.resume_from={self.resume_from!r} is invalid: allowed null, 'auto' or a "
                               "checkpoint directory")

@@ -40,6 +40,16 @@ class Recipe:
     applied by ``mvp_engine.engine.parallel.parallelize`` after recomputation and context-parallel attention and
     before FSDP2 / DDP; it returns the model. None: the generic plan alone.
 
+    ``moe_routers(model)`` (optional; mixture-of-experts models) returns the model's
+    ``mvp_engine.engine.router_balance.Routers`` (None: no experts): its router modules, one per MoE layer in layer
+    order, each called once per forward on the language model's flattened ``[B * L, hidden]`` tokens; E and top-k;
+    the model config's aux-loss coefficient where its own aux loss is on, else 0; and ``read(output, top_k)`` giving
+    (fp32 router probabilities ``[B * L, E]`` in the autograd graph, chosen experts ``[B * L, top_k]``) from a
+    router's forward output. ``router_balance.recorded_routers`` reads all of it from what a transformers MoE model
+    declares (its ``router_logits`` recorder); a family whose routing differs passes its own ``read``. The engine
+    hooks those modules, counts real tokens only and forms the load-balancing loss over the optimizer step; the
+    recipe's ``prepare_packed`` / ``prepare_padded`` keep the model's own aux loss off (``output_router_logits``).
+
     ``model_types`` are the ``config.json`` ``model_type`` values a ``model.pretrained`` folder of this recipe may
     have (``model_folder.check_model_folder`` refuses another family's folder before it loads); empty: any.
     """
@@ -57,6 +67,7 @@ class Recipe:
     cost_profile: Callable[[Any, list[str]], Any] | None = None
     parallelize: Callable[[Any, Any, Any], Any] | None = None
     model_types: tuple[str, ...] = ()
+    moe_routers: Callable[[Any], Any] | None = None
 
     @classmethod
     def from_modules(cls, name: str, *, model: ModuleType, packed: ModuleType,
@@ -64,8 +75,8 @@ class Recipe:
         """The recipe of a ``recipes/<name>`` laid out the usual way: ``model.build_processor`` /
         ``model.build_model``, ``packed.prepare_packed`` / ``packed.prepare_padded`` /
         ``packed.ATTENTION_BACKENDS``, ``model.dummy_media`` / ``model.unreachable_parameters`` (optional), the
-        processor's ``pad_token_id``, ``model.cost_profile`` / ``model.parallelize`` / ``model.MODEL_TYPES``
-        (optional), and the encoder class."""
+        processor's ``pad_token_id``, ``model.cost_profile`` / ``model.parallelize`` / ``model.MODEL_TYPES`` /
+        ``model.moe_routers`` (optional), and the encoder class."""
         return cls(
             name=name,
             build_processor=model.build_processor,
@@ -80,6 +91,7 @@ class Recipe:
             cost_profile=getattr(model, "cost_profile", None),
             parallelize=getattr(model, "parallelize", None),
             model_types=tuple(getattr(model, "MODEL_TYPES", ())),
+            moe_routers=getattr(model, "moe_routers", None),
         )
 
 

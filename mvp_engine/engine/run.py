@@ -44,6 +44,7 @@ from .model_folder import check_model_folder
 from .parallel import ParallelLayout, build_layout, parallelize, plan_layout
 from .participation import ParameterReport, media_kinds
 from .recipe import Recipe
+from .router_balance import build_router_balance
 from .row_widths import run_collator
 from .run_guards import claim_run_dir, refuse_without_steps
 from .run_identity import check_identity, run_identity, setting_defaults
@@ -154,6 +155,10 @@ def _assemble(cfg: DictConfig, recipe: Recipe, specs: RunSpecs, purpose: str) ->
         check_checkpoint_fits(resume_from, model, specs.model.lora.enabled)
     if not training:
         model = model.to(accelerator.device)
+    # MoE routers hooked before parallelize wraps the model (the hooks stay on the modules FSDP2 / DDP keep)
+    routers = recipe.moe_routers(model) if training and recipe.moe_routers is not None else None
+    balance = build_router_balance(routers, train.router_aux_loss_coef if training else None,
+                                   train.router_aux_loss_scope, lambda t: accelerator.reduce(t, reduction="sum"))
     run = Run(recipe, cfg, specs, purpose, layout, processor, encoder, model, parameters, accelerator, output_dir,
               resume_from, identity, recipe.dummy_media(model), media_kinds(model, encoder))
     if training:
@@ -162,7 +167,7 @@ def _assemble(cfg: DictConfig, recipe: Recipe, specs: RunSpecs, purpose: str) ->
         run.dataset = build_run_dataset(specs, encoder, run.cost_profile, layout.dp_rank, layout.dp_size)
     run.collator = run_collator(recipe.pad_token_id(processor), specs, layout.cp_size)
     run.step = TrainStep(accelerator, recipe.prepare_packed if run.packed else recipe.prepare_padded, specs.attention,
-                         run.dummy_media, train, run.media_kinds, layout.shard)
+                         run.dummy_media, train, run.media_kinds, layout.shard, balance)
     if training:
         run.total_steps = run.dataset.estimate_total_steps(train.epochs)
         refuse_without_steps(run.dataset, run.total_steps)

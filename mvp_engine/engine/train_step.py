@@ -22,6 +22,7 @@ from .linear_loss import HeadInputs
 from .loss import WeightedTokenLoss, token_weights, weighted_token_loss
 from .parallel import sequence_parallel_forward
 from .participation import dummy_passes, forward_with_media_pass
+from .router_balance import RouterBalance
 from .sharding import clip_grad_norm_, is_sharded
 
 
@@ -54,6 +55,7 @@ class TrainStep:
     train: TrainSpec
     media_kinds: tuple[MediaKind, ...] = (IMAGES,)
     shard: SequenceShard | None = None  # context parallelism: this rank's chunk of every row (parallel.py)
+    balance: RouterBalance | None = None  # mixture-of-experts router statistics and load balancing (router_balance.py)
 
     def span(self, batch: dict) -> tuple[int, int] | None:
         """The positions of the rows this rank computes the loss of (None: all of them)."""
@@ -80,6 +82,22 @@ class TrainStep:
             return forward_with_media_pass(model, kwargs, self.dummy_media, passes, autocast=autocast)
         return sequence_parallel_forward(model, kwargs, self.shard, self.media_kinds, self.dummy_media, passes,
                                          autocast)
+
+    def real_tokens(self, batch: dict) -> torch.Tensor:
+        """``[B, L]`` (this rank's chunk of the rows under context parallelism): True on the tokens of a sample,
+        False on padding, whose routing the load balancing never counts."""
+        real, span = batch["pack_segment_ids"] >= 0, self.span(batch)
+        return real if span is None else real[:, span[0]:span[1]]
+
+    def count_forward(self, model, batch: dict) -> None:
+        """A forward for its routing alone (``RouterBalance.begin_step``): under the chunked loss the head projects
+        one position per row (``HeadInputs``), not the whole logits."""
+        batch = batch_to_device(batch, self.accelerator.device)
+        if self.train.loss_impl == "full":
+            self.forward(model, batch)
+            return
+        with HeadInputs(model):
+            self.forward(model, batch)
 
     def loss(self, model, batch: dict, reduction: str) -> tuple[WeightedTokenLoss, torch.Tensor | None]:
         """``batch``'s loss parts by ``train.loss_impl`` (``chunked``: the model's head over the hidden states of the
@@ -115,6 +133,9 @@ class TrainStep:
         step_loss = 0.0
         compute_start = time.perf_counter()
         sharded = is_sharded(model)
+        balance = self.balance
+        if balance is not None:  # train.router_aux_loss_scope=step: the step's routing counted first
+            balance.begin_step(group, self.real_tokens, lambda b: self.count_forward(model, b), accelerator.device)
         for index, batch in enumerate(group):
             batch = batch_to_device(batch, accelerator.device)
             last = index == len(group) - 1
@@ -126,8 +147,12 @@ class TrainStep:
             sync = sharded or last and not timed
             context = accelerator.no_sync(model) if not sync else nullcontext()
             with context:
-                part, dummy = self.loss(model, batch, reduction)
+                with balance.recording(self.real_tokens(batch)) if balance is not None else nullcontext():
+                    part, dummy = self.loss(model, batch, reduction)
                 loss = part.weighted_sum / denominator * accelerator.num_processes
+                aux = balance.micro_batch_loss(len(group)) if balance is not None else None
+                if aux is not None:  # this rank's share of coef x the step's load-balancing loss
+                    loss = loss + aux * accelerator.num_processes
                 if dummy is not None:
                     loss = loss + dummy
                 accelerator.backward(loss)

@@ -298,6 +298,8 @@ class Trainer:
         session.progress.record_step(loss, counts, epoch_steps, self._source_counts(group))
         record = step_record(session.progress.state.step, epoch, loss, lr, grad_norm, counts, seconds,
                              self.accelerator.num_processes, self.peak_tflops)
+        if self.train_step.balance is not None:  # aux_loss and expert_load, over every rank
+            record.update(self.train_step.balance.step_metrics())
         if record["step"] % self.specs.train.log_every == 0:
             record["source_token_shares"] = token_shares(session.progress.sources)
         if timing is not None:
