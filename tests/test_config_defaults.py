@@ -49,8 +49,10 @@ PER_RECIPE = {
     "gemma4": DEMO_FITS,
     "internvl": {"train": {"loss_reduction": "square"}, **DEMO_FITS},  # InternVL's own loss weighting
     "glm4v": VIDEO_DEMO,
+    "glm4v_moe": VIDEO_DEMO,
     "qwen2_5_vl": VIDEO_DEMO,
     "qwen3_5": VIDEO_DEMO,
+    "qwen3_5_moe": VIDEO_DEMO,
     "qwen3_vl": VIDEO_DEMO,
 }
 

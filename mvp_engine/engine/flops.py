@@ -2,10 +2,11 @@
 
 :func:`cost_profile` reads a transformers VLM, generically over recipes: the matmuls of every part from its parameter
 shapes (each ``nn.Linear`` costs 2 x in x out FLOPs per row it processes, a patch-embedding convolution 2 x its
-weight per patch, fused MoE experts 2 x their weight x top_k / num_experts per token, a projector's bare weight
-matrix 2 x its size per media token), sorted into language model, output head, vision tower and projector by module
-name; attention per (query, key) pair from the config (4 x heads x head_dim per layer, a layer's own head_dim where
-the config has ``per_layer_config``: QK^T and AV), full-attention and sliding-window layers apart (``lm_pair``,
+weight per patch, fused MoE experts 2 x their weight x top_k / num_experts per token (the active experts only; shared
+experts are plain Linears), a MoE router's bare ``[E, hidden]`` weight 2 x its size per token, a projector's bare
+weight matrix 2 x its size per media token), sorted into language model, output head, vision tower and projector by
+module name; attention per (query, key) pair from the config (4 x heads x head_dim per layer, a layer's own head_dim
+where the config has ``per_layer_config``: QK^T and AV), full-attention and sliding-window layers apart (``lm_pair``,
 ``lm_sliding_pair``, the window read from the config). What differs by family is the recipe's to say, in its
 ``cost_profile`` hook (``Recipe.cost_profile``), which calls :func:`cost_profile` with it: where the vision side sits
 (:class:`VisionParts`: its module names) and its geometry (the ``CostProfile`` fields that turn media tokens into
@@ -150,9 +151,24 @@ class _Matmul:
     group: str  # the projector chain it belongs to
 
 
-def _matmuls(model: torch.nn.Module, unreachable: set[str], experts_share: float,
-             parts: VisionParts) -> list[_Matmul]:
+def _expert_counts(model: torch.nn.Module) -> set[int]:
+    """The expert counts (dim 0) of the model's fused experts: 3-D parameters of modules that are no convolution."""
+    return {int(p.shape[0]) for m in model.modules() if not isinstance(m, torch.nn.modules.conv._ConvNd)
+            for p in m.parameters(recurse=False) if p.dim() == 3}
+
+
+def _router_weight(module: torch.nn.Module, expert_counts: set[int]) -> torch.nn.Parameter | None:
+    """A MoE router's bare weight ``[E, hidden]`` (no ``nn.Linear``: transformers' routers call ``F.linear`` on it),
+    recognised by its rows being the experts' count; None for any other module."""
+    if isinstance(module, (torch.nn.Embedding, torch.nn.Linear)):
+        return None
+    weights = [p for p in module.parameters(recurse=False) if p.dim() == 2 and int(p.shape[0]) in expert_counts]
+    return weights[0] if len(weights) == 1 else None
+
+
+def _matmuls(model: torch.nn.Module, unreachable: set[str], top_k: int, parts: VisionParts) -> list[_Matmul]:
     head = running_module(model.get_output_embeddings())
+    expert_counts = _expert_counts(model) if top_k else set()
     idle = idle_modules(model)  # LoRA's modules_to_save: the originals do not run
     found: list[_Matmul] = []
     for name, module in model.named_modules():
@@ -169,11 +185,15 @@ def _matmuls(model: torch.nn.Module, unreachable: set[str], experts_share: float
                 p.dim() == 2 for p in module.parameters(recurse=False)):
             weight = next(p for p in module.parameters(recurse=False) if p.dim() == 2)  # a bare matmul weight
             forward = 2 * weight.numel()
+        elif part == "language_model" and (router := _router_weight(module, expert_counts)) is not None:
+            forward, weight = 2 * router.numel(), router  # one score per expert per token
         else:
             experts = [p for p in module.parameters(recurse=False) if p.dim() == 3]
             if not experts or part != "language_model":
                 continue
-            forward, weight = round(2 * sum(p.numel() for p in experts) * experts_share), experts[0]
+            # each token runs top_k of the E experts stacked on dim 0 (shared experts are plain Linears)
+            share = top_k / experts[0].shape[0] if top_k else 1.0
+            forward, weight = round(2 * sum(p.numel() for p in experts) * share), experts[0]
         params = [f"{name}.{n}" if name else n for n, _ in module.named_parameters(recurse=False)]
         found.append(_Matmul(part, forward, bool(weight.requires_grad),
                              not all(p in unreachable for p in params), parts.group(name)))
@@ -198,9 +218,8 @@ def cost_profile(model: torch.nn.Module, unreachable: Iterable[str] = (), parts:
         raise ValueError(f"{type(model).__name__} has a vision tower: its recipe's cost_profile hook says where it "
                          "sits (flops.VisionParts) and how its patches become media tokens")
     unreachable = set(unreachable)
-    experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
-    top_k = getattr(text, "num_experts_per_tok", None)
-    matmuls = _matmuls(model, unreachable, (top_k / experts) if experts and top_k else 1.0, parts)
+    top_k = int(getattr(text, "num_experts_per_tok", None) or 0)  # transformers' name in every MoE config
+    matmuls = _matmuls(model, unreachable, top_k, parts)
     head = model.get_output_embeddings()
     head_params = {id(p) for p in head.parameters()} if head is not None else set()
 

@@ -1,7 +1,7 @@
 """What the Qwen vision-language recipes share (``recipes/qwen2_vl``, ``recipes/qwen2_5_vl``, ``recipes/qwen3_vl``,
-``recipes/qwen3_5``), and ``recipes/glm4v``, whose vision tower is Qwen2-VL's (it takes the processor bundle, dummy
-media, cost profile, media fields and video sampling): a family package, not a recipe (no entry point, no config),
-written once and imported by each.
+``recipes/qwen3_5``, ``recipes/qwen3_5_moe``), and ``recipes/glm4v``, whose vision tower is Qwen2-VL's (it takes the
+processor bundle, dummy media, cost profile, media fields and video sampling): a family package, not a recipe (no
+entry point, no config), written once and imported by each.
 
 - ``tokens``: the special tokens (ChatML turns, ``<|image_pad|>`` / ``<|video_pad|>`` inside
   ``<|vision_start|>...<|vision_end|>``), the chat templates and the tokenizers (``TOKENIZERS``: the assets of
@@ -11,6 +11,7 @@ written once and imported by each.
 - ``processor``: :class:`QwenProcessorBundle` / :func:`build_qwen_processor` (tokenizer, image and video processors).
 - ``model``: :func:`build_qwen_model` (pretrained or a tiny seeded init wired to the tokenizer's special tokens),
   :func:`qwen_dummy_media`, :func:`qwen_cost_profile` (where the cost model finds the vision tower and merger).
+- ``hybrid``: :func:`build_hybrid_model` (Qwen3.5 and Qwen3.5-MoE: Gated DeltaNet layers made boundary-aware).
 - ``encoder``: :class:`QwenSampleEncoder` (ChatML, Qwen2-VL's video text) and :class:`Qwen3SampleEncoder`
   (Qwen3-VL's timestamped frame runs).
 - ``packed``: ``prepare_packed`` / ``prepare_padded`` with per-segment M-RoPE, which each recipe binds to its own
@@ -18,6 +19,7 @@ written once and imported by each.
 """
 
 from .encoder import Qwen3SampleEncoder, QwenSampleEncoder
+from .hybrid import build_hybrid_model
 from .model import build_qwen_model, qwen_cost_profile, qwen_dummy_media, qwen_tiny_config
 from .packed import media_kwargs, mm_token_type_ids, packed_position_ids, prepare_packed, prepare_padded
 from .processor import QwenProcessorBundle, build_qwen_processor
@@ -29,6 +31,7 @@ __all__ = [
     "QwenProcessorBundle",
     "QwenSampleEncoder",
     "QwenVideoProcessor",
+    "build_hybrid_model",
     "build_qwen_model",
     "build_qwen_processor",
     "media_kwargs",

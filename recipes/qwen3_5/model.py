@@ -17,17 +17,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-import torch
 from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
-from mvp_engine.engine.builders import to_plain
-from mvp_engine.packing import enable_linear_attention_packing
-from mvp_engine.packing.linear_attention import linear_attention_layers
 from recipes.qwen import (
     Qwen3VideoProcessor,
     QwenProcessorBundle,
-    build_qwen_model,
+    build_hybrid_model,
     build_qwen_processor,
     qwen_cost_profile,
     qwen_dummy_media,
@@ -60,25 +56,11 @@ def build_processor(model_cfg: Mapping | None = None) -> QwenProcessorBundle:
 
 
 def build_model(model_cfg: Mapping | None, attn_implementation: str = "sdpa") -> Qwen3_5ForConditionalGeneration:
-    """The Qwen3.5 model, its linear-attention layers made boundary-aware: ``from_pretrained(model_cfg.pretrained)``
-    or a tiny seeded random init. Keys read: ``pretrained``, ``tokenizer_dir``, ``config`` (``text_config``,
-    ``vision_config``, top-level Qwen3_5Config fields), ``seed`` (default 0), ``dtype`` (default float32) and,
-    for the tiny init only, ``linear_decay_init``: the range the Gated DeltaNet decay rates ``A = exp(A_log)`` are
-    drawn from. transformers draws them from [0.01, 16]: most heads then forget within a token or two (decay
-    ``exp(-A * softplus(a + dt_bias))``, about e^-13 per token at A = 10), so a state leak between packed samples
-    barely shows (1.5e-4 in logits) and the A_log / dt_bias gradients (1e-5 in norm) sit at fp32 rounding (5e-5
-    relative, measured): too weak an instrument for the packed == one-by-one proof. The tiny config draws from
-    [0.01, 0.1], a state that carries across its samples."""
-    model = build_qwen_model(Qwen3_5ForConditionalGeneration, Qwen3_5Config, model_cfg, attn_implementation,
-                             DEFAULT_TOKENIZER_DIR, vision_out="out_hidden_size")
-    cfg = to_plain(model_cfg) or {}
-    if not cfg.get("pretrained") and cfg.get("linear_decay_init"):
-        low, high = cfg["linear_decay_init"]
-        generator = torch.Generator().manual_seed(int(cfg.get("seed") or 0))
-        with torch.no_grad():
-            for layer in linear_attention_layers(model, LINEAR_ATTENTION_LAYERS):
-                layer.A_log.copy_(torch.empty(layer.A_log.shape).uniform_(low, high, generator=generator).log())
-    return enable_linear_attention_packing(model, LINEAR_ATTENTION_LAYERS)
+    """The Qwen3.5 model, its linear-attention layers made boundary-aware (``recipes.qwen.build_hybrid_model``:
+    ``pretrained`` or a tiny seeded init; keys ``pretrained``, ``tokenizer_dir``, ``config``, ``seed``, ``dtype``,
+    ``linear_decay_init``)."""
+    return build_hybrid_model(Qwen3_5ForConditionalGeneration, Qwen3_5Config, LINEAR_ATTENTION_LAYERS, model_cfg,
+                              attn_implementation, DEFAULT_TOKENIZER_DIR)
 
 
 dummy_media = qwen_dummy_media

@@ -6,7 +6,10 @@ token-mean loss under ``torch.utils.flop_counter.FlopCounterMode`` on the eager 
 for CPU fused sdpa, so other backends would count attention as 0), and compares with ``flops.batch_flops``' executed
 FLOPs of the same batch. One correction to the counter: its ``convolution_backward`` formula ignores ``groups``
 ("skipped for brevity" in torch's source), which overcounts a depthwise conv1d (linear-attention layers) by its
-channel count; a groups-aware formula (each of grad input and grad weight costs the forward) replaces it.
+channel count; a groups-aware formula (each of grad input and grad weight costs the forward) replaces it. One
+addition: the counter has no formula for ``aten._grouped_mm`` (mixture-of-experts layers under
+``experts_implementation=grouped_mm``, forward and both backward products), so it would count their experts as 0;
+:func:`_grouped_mm_flop` counts each call as the matmuls it groups.
 """
 
 from __future__ import annotations
@@ -31,6 +34,15 @@ def _conv_backward_flop(grad_out_shape, x_shape, w_shape, _bias, _stride, _paddi
                         _groups, output_mask, out_shape=None, **kwargs) -> int:
     forward = conv_flop_count(x_shape, w_shape, grad_out_shape, transposed=transposed)  # groups-aware via w_shape
     return forward * (int(output_mask[0]) + int(output_mask[1]))
+
+
+def _grouped_mm_flop(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """``aten._grouped_mm(a, b, offs)`` with ``a`` 2-D: the groups split a's rows (``[S, K] x [E, K, N]``, the
+    forward and the input gradient) or its columns (``[K, S] x [S, N]`` into ``[E, K, N]``, the weight gradient);
+    either way every element of ``a`` meets one ``N``-wide row of ``b``: 2 x numel(a) x N."""
+    if len(a_shape) != 2:
+        raise NotImplementedError(f"grouped_mm of a {len(a_shape)}-D left operand is not counted")
+    return 2 * a_shape[0] * a_shape[1] * b_shape[-1]
 
 
 @dataclass
@@ -66,7 +78,8 @@ def check_flop_count(name: str, workdir: Path, freeze: tuple[str, ...] = (), lor
     freeze_parameters(model, list(freeze), case.recipe.unreachable_parameters(model))  # as the trainer does
     profile = recipe_cost_profile(case.recipe, model)
     ours = batch_flops(profile, case.batch, BACKEND)
-    counter = FlopCounterMode(display=False, custom_mapping={torch.ops.aten.convolution_backward: _conv_backward_flop})
+    counter = FlopCounterMode(display=False, custom_mapping={torch.ops.aten.convolution_backward: _conv_backward_flop,
+                                                             torch.ops.aten._grouped_mm: _grouped_mm_flop})
     with counter:
         logits = model(**case.recipe.prepare_packed(case.batch, model, BACKEND)).logits
         counted_forward = counter.get_total_flops()
