@@ -85,13 +85,16 @@ def target_logprobs(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.
 
 
 def supervised_rows(hidden: torch.Tensor, labels: torch.Tensor, span: tuple[int, int] | None = None):
-    """The hidden states ``[N, H]`` of the positions whose shifted target is supervised, those targets ``[N]``, and
-    where they sit (``[B, L-1]``, or ``[B, end - start]`` with ``span``: ``hidden`` is then positions
-    ``[start, end)`` of the rows)."""
+    """The hidden states ``[N, H]`` of the positions whose shifted target is supervised, those targets ``[N]``, where
+    they sit (``[B, L-1]``, or ``[B, end - start]`` with ``span``: ``hidden`` is then positions ``[start, end)`` of
+    the rows) and their flat indices into that. Gathered by one index (one read-back of ``N`` on a GPU, where three
+    boolean selections made three)."""
     targets = shifted_targets(labels, span)
-    predicting = hidden[:, :-1] if span is None else hidden
     where = targets != IGNORE_INDEX
-    return predicting[where], targets[where], where
+    flat = where.reshape(-1).nonzero().squeeze(1)
+    width = where.shape[1]
+    rows = flat + flat.div(width, rounding_mode="floor") * (hidden.shape[1] - width)  # rows of hidden's [B*L, H]
+    return hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows), targets.reshape(-1)[flat], where, flat
 
 
 def chunked_token_loss(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor,
@@ -100,9 +103,9 @@ def chunked_token_loss(hidden: torch.Tensor, head: torch.nn.Module, labels: torc
     """:func:`.loss.weighted_token_loss` from the hidden states the head projects (``[B, L, H]``, or this CP rank's
     ``span`` of the rows) instead of the logits: the same weights, the same fp32 cross-entropy."""
     weights = token_weights(labels, segment_ids, reduction, span)
-    rows, targets, where = supervised_rows(hidden, labels, span)
+    rows, targets, _, flat = supervised_rows(hidden, labels, span)
     logprobs = target_logprobs(rows, targets, head, chunk_tokens, softcap)
-    return WeightedTokenLoss(-(logprobs * weights[where].to(logprobs.dtype)).sum(), weights.sum())
+    return WeightedTokenLoss(-(logprobs * weights.reshape(-1)[flat].to(logprobs.dtype)).sum(), weights.sum())
 
 
 def chunked_token_logprobs(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor,
@@ -110,7 +113,7 @@ def chunked_token_logprobs(hidden: torch.Tensor, head: torch.nn.Module, labels: 
                            softcap: float | None = None) -> torch.Tensor:
     """Per-token ``log p(next token)`` of a packed batch (fp32, ``[B, L-1]`` or the ``span``'s width), 0 where the
     target is not supervised: what a preference loss or an RL engine needs, without the logits (differentiable)."""
-    rows, targets, where = supervised_rows(hidden, labels, span)
+    rows, targets, where, _ = supervised_rows(hidden, labels, span)
     logprobs = target_logprobs(rows, targets, head, chunk_tokens, softcap)
     return logprobs.new_zeros(where.shape).masked_scatter(where, logprobs)
 

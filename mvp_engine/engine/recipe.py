@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from operator import attrgetter
@@ -13,11 +14,26 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from mvp_engine.kit.mllm.data import MLLMSampleEncoder
+from mvp_engine.packing.batch_metadata import describe_packed
 
 
 def no_unreachable_parameters(model) -> list[str]:
     """The default: every parameter takes part in some forward."""
     return []
+
+
+def layout_metadata(model) -> Callable[[dict], dict]:
+    """The default collator metadata of packed batches: their layout (``batch_metadata.describe_packed``), enough for
+    every model that takes the per-segment text positions."""
+    return describe_packed
+
+
+def _packed_metadata(packed: ModuleType) -> Callable[[Any], Callable[[dict], dict]]:
+    """The ``packed_metadata`` of a recipe's packed module, else of the module its ``prepare_packed`` comes from (a
+    family's, bound with ``functools.partial``: its positions are the family's too), else the layout alone."""
+    prepare = packed.prepare_packed
+    family = inspect.getmodule(getattr(prepare, "func", prepare))
+    return getattr(packed, "packed_metadata", None) or getattr(family, "packed_metadata", layout_metadata)
 
 
 @dataclass(frozen=True)
@@ -39,6 +55,10 @@ class Recipe:
     ``parallelize(model, layout, train)`` (optional) is the family's own parallel plan (a tensor or expert split),
     applied by ``mvp_engine.engine.parallel.parallelize`` after recomputation and context-parallel attention and
     before FSDP2 / DDP; it returns the model. None: the generic plan alone.
+
+    ``packed_metadata(model)`` gives the function the run's collator applies to each packed batch, on the CPU in the
+    loader's workers: the packed metadata ``prepare_packed`` would otherwise compute in the step from device tensors
+    (``mvp_engine.packing.batch_metadata``; the M-RoPE families add their positions). Default: the layout alone.
 
     ``moe_routers(model)`` (optional; mixture-of-experts models) returns the model's
     ``mvp_engine.engine.router_balance.Routers`` (None: no experts): its router modules, one per MoE layer in layer
@@ -68,13 +88,15 @@ class Recipe:
     parallelize: Callable[[Any, Any, Any], Any] | None = None
     model_types: tuple[str, ...] = ()
     moe_routers: Callable[[Any], Any] | None = None
+    packed_metadata: Callable[[Any], Callable[[dict], dict]] = layout_metadata
 
     @classmethod
     def from_modules(cls, name: str, *, model: ModuleType, packed: ModuleType,
                      encoder: Callable[[Any], MLLMSampleEncoder]) -> Recipe:
         """The recipe of a ``recipes/<name>`` laid out the usual way: ``model.build_processor`` /
         ``model.build_model``, ``packed.prepare_packed`` / ``packed.prepare_padded`` /
-        ``packed.ATTENTION_BACKENDS``, ``model.dummy_media`` / ``model.unreachable_parameters`` (optional), the
+        ``packed.ATTENTION_BACKENDS`` / ``packed.packed_metadata`` (optional, also found beside a family's
+        ``prepare_packed`` the recipe binds), ``model.dummy_media`` / ``model.unreachable_parameters`` (optional), the
         processor's ``pad_token_id``, ``model.cost_profile`` / ``model.parallelize`` / ``model.MODEL_TYPES`` /
         ``model.moe_routers`` (optional), and the encoder class."""
         return cls(
@@ -92,6 +114,7 @@ class Recipe:
             parallelize=getattr(model, "parallelize", None),
             model_types=tuple(getattr(model, "MODEL_TYPES", ())),
             moe_routers=getattr(model, "moe_routers", None),
+            packed_metadata=_packed_metadata(packed),
         )
 
 

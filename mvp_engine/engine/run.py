@@ -165,7 +165,10 @@ def _assemble(cfg: DictConfig, recipe: Recipe, specs: RunSpecs, purpose: str) ->
         # FLOPs per unit of work of this model as it trains: the per-step FLOPs and MFU, and packing.balance=compute
         run.cost_profile = recipe_cost_profile(recipe, model)
         run.dataset = build_run_dataset(specs, encoder, run.cost_profile, layout.dp_rank, layout.dp_size)
-    run.collator = run_collator(recipe.pad_token_id(processor), specs, layout.cp_size)
+    # packed metadata (positions, M-RoPE included, cu_seqlens, spans) computed where the batches are collated, on the
+    # CPU in the loader's workers, so the step reads no device value back to build its kwargs
+    run.collator = run_collator(recipe.pad_token_id(processor), specs, layout.cp_size,
+                                recipe.packed_metadata(model) if run.packed else None)
     run.step = TrainStep(accelerator, recipe.prepare_packed if run.packed else recipe.prepare_padded, specs.attention,
                          run.dummy_media, train, run.media_kinds, layout.shard, balance)
     if training:

@@ -130,7 +130,9 @@ class TrainStep:
         total = accelerator.reduce(torch.as_tensor(local, device=accelerator.device, dtype=torch.float64),
                                    reduction="sum")
         denominator = total.clamp(min=1e-12)
-        step_loss = 0.0
+        # summed on the device (float64, as the denominator) and read once, after the optimizer step: a float() per
+        # micro-batch would make the host wait for each backward
+        step_loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
         compute_start = time.perf_counter()
         sharded = is_sharded(model)
         balance = self.balance
@@ -156,14 +158,14 @@ class TrainStep:
                 if dummy is not None:
                     loss = loss + dummy
                 accelerator.backward(loss)
-            step_loss += float(part.weighted_sum.detach()) / float(denominator)
+            step_loss += part.weighted_sum.detach().to(torch.float64) / denominator
         timing = self._barrier_and_sync(model, time.perf_counter() - compute_start) if timed else None
         accelerator.unscale_gradients()  # fp16's loss scale (nothing otherwise)
         grad_norm = clip_grad_norm_(model.parameters(), self.train.max_grad_norm)  # float64, sharded or not
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        step_loss = float(accelerator.reduce(torch.tensor(step_loss, device=accelerator.device), reduction="sum"))
+        step_loss = float(accelerator.reduce(step_loss.to(torch.float32), reduction="sum"))
         return step_loss, float(grad_norm), timing
 
     def _barrier_and_sync(self, model, compute_seconds: float) -> tuple[float, float]:

@@ -25,10 +25,11 @@ from mvp_engine.kit.mllm.data.media import IMAGES, MediaKind
 
 from .attention import attention_mask_for, check_packed_model_kwargs, ensure_no_batch_fields, layer_masks
 from .backends import ATTENTION_BACKENDS, SDPA_VARLEN, takes_varlen_kwargs
+from .batch_metadata import batch_metadata, packed_varlen_kwargs
 from .layer_types import LAYER_TYPES, has_layer_types, layer_predicates
 from .linear_attention import BOUNDARIES, ensure_linear_attention_boundaries, has_linear_attention
 from .masks import Predicate
-from .segments import flash_varlen_kwargs, segment_positions, validate_segment_ids
+from .segments import segment_positions, validate_segment_ids
 from .ulysses import inner_backend
 from .unwrap import unwrap_model
 
@@ -54,7 +55,10 @@ def check_model_backend(model, attn_implementation: str) -> None:
 
 
 def text_positions(batch: Mapping[str, Any]) -> torch.Tensor:
-    """(B, L) positions restarting at every segment, checked against the batch's own ``position_ids``."""
+    """(B, L) positions restarting at every segment, checked against the batch's own ``position_ids``; the batch's
+    own where its collator checked them already (``batch_metadata.describe_packed`` runs this on the CPU)."""
+    if batch_metadata(batch) is not None:
+        return batch["position_ids"]
     segment_ids = batch["pack_segment_ids"]
     validate_segment_ids(segment_ids)
     positions = segment_positions(segment_ids)
@@ -112,13 +116,10 @@ def packed_attention_kwargs(batch: Mapping[str, Any], attn_implementation: str, 
                              f"bidirectional blocks): use {SDPA_VARLEN}, sdpa, eager or flex_attention")
         masks = {"attention_mask": layer_masks(segment_ids, predicates, attn_implementation, dtype)}
         extra = boundaries or attn_implementation == SDPA_VARLEN
-        return {**flash_varlen_kwargs(segment_ids), **masks} if extra else masks
+        return {**packed_varlen_kwargs(batch), **masks} if extra else masks
     varlen = {}
     if boundaries or takes_varlen_kwargs(attn_implementation):
-        varlen = flash_varlen_kwargs(segment_ids)
-        given = batch.get("cu_seqlens")
-        if given is not None and not torch.equal(given.to(torch.int32).cpu(), varlen["cu_seq_lens_q"].cpu()):
-            raise ValueError("batch cu_seqlens disagree with pack_segment_ids")
+        varlen = packed_varlen_kwargs(batch)
     if takes_varlen_kwargs(attn_implementation):
         return varlen
     if attn_implementation not in ATTENTION_BACKENDS:

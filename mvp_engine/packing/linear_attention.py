@@ -60,6 +60,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .batch_metadata import host_bounds
 from .sequence_parallel import all_to_all, sequence_shard
 from .unwrap import unwrap_model
 
@@ -111,7 +112,7 @@ def _modules_of(model, layer_classes: Collection[type]) -> dict[str, ModuleType]
 
 
 def _spans(cu_seqlens: torch.Tensor, total: int) -> list[tuple[int, int]]:
-    bounds = [int(b) for b in cu_seqlens.tolist()]
+    bounds = host_bounds(cu_seqlens)
     if not bounds or bounds[0] != 0 or bounds[-1] != total or any(b > c for b, c in zip(bounds, bounds[1:])):
         raise ValueError(f"linear attention: {BOUNDARIES} must rise from 0 to all {total} tokens, got {bounds[:4]}.."
                          f"{bounds[-2:]}")
@@ -139,7 +140,8 @@ def _varlen_conv1d(original: Callable) -> Callable:
         gap = weight.shape[-1] - 1
         sizes = torch.tensor([b - a for a, b in spans], device=flat.device)
         inserted = gap * torch.arange(1, len(spans) + 1, device=flat.device)  # zeros before and at each sample
-        where = torch.repeat_interleave(inserted, sizes) + torch.arange(batch * length, device=flat.device)
+        where = (torch.repeat_interleave(inserted, sizes, output_size=batch * length)
+                 + torch.arange(batch * length, device=flat.device))
         laid = flat.new_zeros(channels, batch * length + gap * len(spans)).index_copy(1, where, flat)
         out = reference(laid[None], weight, bias, activation=activation)[0].index_select(1, where)
         return out.reshape(channels, batch, length).transpose(0, 1)

@@ -10,17 +10,24 @@ computes. The recipe says which token is which media kind (the type codes) and h
 
 The positions are (4, B, L): row 0 the per-segment text positions (what ``create_causal_mask`` and flash's
 position-based varlen fallback read), rows 1..3 the rotary rows. Masks, guards and media order are ``inputs``.
+
+Where: in the collator, on the CPU (:func:`rope_metadata`, a family's ``packed_metadata`` hook run in the loader's
+workers through :class:`RopeIndex`, the method without the model), so the step takes them from the batch
+(:func:`precomputed_positions`); a batch collated without them gets the same computed in the step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from types import MethodType
 from typing import Any
 
 import torch
 
 from mvp_engine.kit.mllm.data.media import MediaKind
 
+from .batch_metadata import PACKED_POSITIONS, batch_metadata, describe_packed
 from .inputs import check_media_placement, text_positions
 from .segments import row_segments
 from .unwrap import unwrap_model
@@ -40,6 +47,34 @@ def token_type_ids(input_ids: torch.Tensor, codes: Mapping[int, int]) -> torch.T
 def _base_model(model):
     """The base model (owner of ``get_rope_index``) inside a ``...ForConditionalGeneration``."""
     return model.model if hasattr(model, "lm_head") else model
+
+
+class RopeIndex:
+    """A model's own ``get_rope_index`` without the model: its base model's class and config, which is all that
+    method reads in transformers 5.24 (``self.config.vision_config`` and the class's own helper methods), so the
+    collator can run it on the CPU in the loader's workers (picklable, no weights) and the step need not.
+
+    Calling it is calling ``get_rope_index``; any other method of the class (``get_vision_position_ids``) is bound
+    to this stand-in, as ``get_rope_index`` calls them on ``self``."""
+
+    def __init__(self, model):
+        inner = unwrap_model(model)
+        inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # under a PEFT wrapper
+        base = _base_model(inner)
+        self.owner, self.config = type(base), base.config
+
+    def __call__(self, *args, **kwargs):
+        return self.owner.get_rope_index(self, *args, **kwargs)
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name in ("owner", "config"):
+            raise AttributeError(name)
+        member = inspect.getattr_static(self.owner, name)
+        if isinstance(member, staticmethod):
+            return member.__func__
+        if isinstance(member, classmethod):
+            return member.__get__(None, self.owner)
+        return MethodType(member, self) if callable(member) else member
 
 
 def _segment_grids(batch: dict[str, Any], types: torch.Tensor, kind: MediaKind, code: int,
@@ -62,13 +97,17 @@ def segment_rope_positions(batch: dict[str, Any], model, types: torch.Tensor,
     """(4, B, L) positions: row 0 the per-segment text positions, rows 1..3 the model's own ``get_rope_index`` run
     on each segment's slice with only that segment's grids (and per-item fields) of every ``(kind, code)`` in
     ``media`` (``types``: the batch's modality map, ``code`` marking ``kind``'s placeholders; one placeholder per
-    ``merge_size**2`` grid cells). Padding and text-only segments keep the text positions in all 4 rows."""
-    input_ids, segment_ids = batch["input_ids"], batch["pack_segment_ids"]
+    ``merge_size**2`` grid cells). Padding and text-only segments keep the text positions in all 4 rows.
+    ``model``: the model or its :class:`RopeIndex`. The segments' runs are the batch's metadata where the collator
+    computed it (``batch_metadata``: then nothing here reads a device value back but ``get_rope_index`` itself)."""
+    input_ids = batch["input_ids"]
     positions = text_positions(batch).unsqueeze(0).repeat(POSITION_ROWS, 1, 1)
     grids = {kind: _segment_grids(batch, types, kind, code, merge_size) for kind, code in media}
-    get_rope_index = _base_model(unwrap_model(model)).get_rope_index
-    for row, runs in enumerate(row_segments(segment_ids)):
-        for seg, start, end in runs:
+    get_rope_index = model if isinstance(model, RopeIndex) else RopeIndex(model)
+    metadata = batch_metadata(batch)
+    runs = metadata.runs if metadata is not None else row_segments(batch["pack_segment_ids"])
+    for row, row_runs in enumerate(runs):
+        for seg, start, end in row_runs:
             owned = {kind.grid_key: None for kind, _ in media}
             for kind, _ in media:
                 owned.update(grids[kind].get((row, seg), {}))
@@ -82,3 +121,15 @@ def segment_rope_positions(batch: dict[str, Any], model, types: torch.Tensor,
             )
             positions[1:, row, start:end] = rope[:, 0].to(positions.dtype)
     return positions
+
+
+def precomputed_positions(batch: Mapping[str, Any]) -> torch.Tensor | None:
+    """The positions the collator computed for ``batch`` as the model takes them (None: compute them now)."""
+    return batch.get(PACKED_POSITIONS)
+
+
+def rope_metadata(batch: Mapping[str, Any], positions: Callable[[Mapping[str, Any]], torch.Tensor]) -> dict[str, Any]:
+    """The collator's metadata of a packed batch for a multimodal-RoPE model: the layout (``describe_packed``) and
+    ``positions`` of the batch (e.g. :func:`segment_rope_positions` over a :class:`RopeIndex`) computed with it."""
+    metadata = describe_packed(batch)
+    return {**metadata, PACKED_POSITIONS: positions({**batch, **metadata})}

@@ -25,6 +25,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
 
 from .backends import SDPA_VARLEN
+from .batch_metadata import host_bounds
 from .mask_forms import SpanMasks
 
 
@@ -96,9 +97,11 @@ def sdpa_varlen_attention(module, query, key, value, attention_mask, dropout: fl
     if cu_seq_lens_q is None:
         spans = _spans_from_padding_mask(attention_mask, batch, length)
     else:
-        if cu_seq_lens_k is not None and not torch.equal(cu_seq_lens_q, cu_seq_lens_k):
+        # the packed kwargs hand one tensor for both (and its values on the host: no read-back per layer)
+        if cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seq_lens_q and not torch.equal(cu_seq_lens_q,
+                                                                                                   cu_seq_lens_k):
             raise ValueError(f"{SDPA_VARLEN} is self-attention only: cu_seq_lens_q and cu_seq_lens_k differ")
-        bounds = cu_seq_lens_q.tolist()
+        bounds = host_bounds(cu_seq_lens_q)
         if bounds[0] != 0 or bounds[-1] != batch * length:
             raise ValueError(f"{SDPA_VARLEN}: cu_seq_lens_q must cover all {batch * length} tokens, got {bounds[0]}.."
                              f"{bounds[-1]}")

@@ -26,14 +26,16 @@ Attention: eager/sdpa get an explicit 4-D block-causal mask; flash_attention_2 a
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 
 from mvp_engine.packing import prepare_packed_inputs, prepare_padded_inputs, unwrap_model
-from mvp_engine.packing.segment_rope import POSITION_ROWS, segment_rope_positions
+from mvp_engine.packing.segment_rope import POSITION_ROWS, RopeIndex, precomputed_positions, segment_rope_positions
 from recipes.qwen import media_kwargs
-from recipes.qwen.packed import MEDIA
+from recipes.qwen.packed import MEDIA, collated_metadata
 
 from .encoder import TYPE_FIELD
 
@@ -57,19 +59,32 @@ def model_input_ids(batch: dict[str, Any], config) -> torch.Tensor:
     return torch.where(token_types(batch) == 2, config.video_token_id, batch["input_ids"])
 
 
-def packed_position_ids(batch: dict[str, Any], model) -> torch.Tensor:
+def rope_positions(batch: dict[str, Any], rope_index: RopeIndex) -> torch.Tensor:
     """(4, B, L) positions: the per-segment text row, then the model's ``get_rope_index`` per segment."""
-    config = unwrap_model(model).config
-    return segment_rope_positions(batch, model, token_types(batch).int(), MEDIA,
-                                  config.vision_config.spatial_merge_size)
+    return segment_rope_positions(batch, rope_index, token_types(batch).int(), MEDIA,
+                                  rope_index.config.vision_config.spatial_merge_size)
+
+
+def packed_position_ids(batch: dict[str, Any], model) -> torch.Tensor:
+    """The positions of :func:`rope_positions`: those the collator computed (:func:`packed_metadata`), else computed
+    now."""
+    given = precomputed_positions(batch)
+    return given if given is not None else rope_positions(batch, RopeIndex(model))
+
+
+def packed_metadata(model) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """The collator's ``metadata`` hook for ``model``'s packed batches: the Qwen families' (layout, media checked,
+    positions) with GLM-4.1V's positions."""
+    return partial(collated_metadata, positions=partial(rope_positions, rope_index=RopeIndex(model)))
 
 
 def prepare_packed(batch: dict[str, Any], model, attn_implementation: str) -> dict[str, Any]:
     """Model kwargs of a packed batch (no labels: the engine computes the loss from the logits)."""
     config = unwrap_model(model).config
     inputs = {**batch, "input_ids": model_input_ids(batch, config)}
+    media = media_kwargs(batch, checked=precomputed_positions(batch) is not None)
     return prepare_packed_inputs(inputs, model, attn_implementation, position_ids=packed_position_ids(batch, model),
-                                 position_rows=POSITION_ROWS, media=media_kwargs(batch), supported=ATTENTION_BACKENDS)
+                                 position_rows=POSITION_ROWS, media=media, supported=ATTENTION_BACKENDS)
 
 
 def prepare_padded(batch: dict[str, Any], model, attn_implementation: str) -> dict[str, Any]:

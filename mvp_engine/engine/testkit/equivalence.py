@@ -250,7 +250,8 @@ def run_equivalence(case: EquivalenceCase, backend: str, *, prepare_packed: Call
     model = model.to(device=device, dtype=dtype).eval()
     grads = backward_available(backend, device)
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    batch = batch_to(case.batch, device)
+    # as the run's collator hands it over: with the packed metadata computed on the CPU (Recipe.packed_metadata)
+    batch = batch_to({**case.batch, **case.recipe.packed_metadata(model)(case.batch)}, device)
     notes = [] if grads else [f"gradients not checked: torch's FlexAttention has no backward on {device}"]
 
     shared = lora is None and device == "cpu" and dtype == torch.float32

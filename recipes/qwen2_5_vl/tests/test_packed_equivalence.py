@@ -13,6 +13,7 @@ import torch
 
 from mvp_engine.engine.testkit.equivalence import TOL, run_equivalence
 from mvp_engine.engine.testkit.suites import EquivalenceSuite
+from mvp_engine.packing.batch_metadata import PACKED_POSITIONS
 from recipes.qwen import packed_position_ids
 from recipes.qwen2_5_vl.packed import prepare_packed
 
@@ -62,9 +63,9 @@ class TestPackedEquivalence(EquivalenceSuite):
         (the model then assumes 1 s a patch) differs from one-by-one on the clip alone, by far more than rounding
         (measured: logits 2.8e-3, gradients 9.5e-2 relative on the tiny model)."""
 
-        def without_seconds(batch, model, attn_implementation):
-            return prepare_packed({k: v for k, v in batch.items() if k != "second_per_grid_ts"}, model,
-                                  attn_implementation)
+        def without_seconds(batch, model, attn_implementation):  # the positions then computed here, without them
+            withheld = ("second_per_grid_ts", PACKED_POSITIONS)
+            return prepare_packed({k: v for k, v in batch.items() if k not in withheld}, model, attn_implementation)
 
         report = run_equivalence(case, "sdpa_varlen", prepare_packed=without_seconds)
         diffs = {segment.sample_id: segment.max_abs for segment in report.segments}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -11,10 +11,15 @@ from .media import OWNER_KEYS, MLLMMediaHandler
 from .pack import TOKEN_FIELDS
 from .sample import IGNORE_INDEX, TOKEN_FIELD_PADS
 
+# what a ``metadata`` hook adds (``mvp_engine.packing.batch_metadata``): the layout read on the CPU, positions as the
+# model takes them
+PACKED_METADATA, PACKED_POSITIONS = "packed_metadata", "packed_position_ids"
+
 # Fields of a batch that only the engine reads (segment ids and labels, bookkeeping, media owners, faults in
 # transit): never a model kwarg (``mvp_engine.packing`` refuses them), never media to merge.
 BATCH_ONLY_FIELDS = frozenset({"labels", "pack_segment_ids", "source_sample_num", "cu_seqlens", "max_seqlen",
-                               "media_tokens", "sample_ids", "bad_records", "source_counts", *OWNER_KEYS})
+                               "media_tokens", "sample_ids", "bad_records", "source_counts", *OWNER_KEYS,
+                               PACKED_METADATA, PACKED_POSITIONS})
 NON_MEDIA_FIELDS = set(TOKEN_FIELDS) | set(TOKEN_FIELD_PADS) | BATCH_ONLY_FIELDS
 
 
@@ -27,9 +32,14 @@ class MLLMCollator:
     The common length is the longest row's, raised to the smallest of ``widths`` that holds it (none: the longest
     row's own), then rounded up to ``pad_to_multiple_of``. ``widths`` keep the batch shapes few where a kernel is
     compiled per shape.
+
+    ``metadata`` (optional) maps the padded batch to more fields, added to it: what a training step would otherwise
+    compute from the batch on its device (the engine's packed metadata), computed here on the CPU, in the loader's
+    workers. It must be picklable where the loader's workers are spawned.
     """
 
-    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None, widths: Sequence[int] = ()):
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None, widths: Sequence[int] = (),
+                 metadata: Callable[[dict], dict] | None = None):
         if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
             raise ValueError(f"pad_to_multiple_of={pad_to_multiple_of} is invalid: allowed null or an int >= 1")
         if any(not isinstance(width, int) or width < 1 for width in widths):
@@ -37,6 +47,7 @@ class MLLMCollator:
         self.pad_token_id = pad_token_id
         self.pad_to_multiple_of = pad_to_multiple_of
         self.widths = tuple(sorted(widths))
+        self.metadata = metadata
 
     def padded_length(self, longest: int) -> int:
         multiple = self.pad_to_multiple_of or 1
@@ -78,4 +89,6 @@ class MLLMCollator:
             batch["source_counts"] = torch.stack([row["source_counts"] for row in rows]).sum(0)
         media_keys = sorted({key for row in rows for key in row if key not in NON_MEDIA_FIELDS})
         batch.update(MLLMMediaHandler.merge_batch(rows, media_keys))
+        if self.metadata is not None:
+            batch.update(self.metadata(batch))
         return batch
