@@ -25,11 +25,12 @@ from mvp_engine.kit.mllm.data.media import IMAGES, MediaKind
 
 from .attention import attention_mask_for, check_packed_model_kwargs, ensure_no_batch_fields, layer_masks
 from .backends import ATTENTION_BACKENDS, SDPA_VARLEN, takes_varlen_kwargs
-from .batch_metadata import batch_metadata, packed_varlen_kwargs
-from .layer_types import LAYER_TYPES, has_layer_types, layer_predicates
+from .branches import batch_branches, branch_position_offsets, same_branch_or_prefix
+from .layer_types import LAYER_TYPES, SLIDING, has_layer_types, layer_predicates
 from .linear_attention import BOUNDARIES, ensure_linear_attention_boundaries, has_linear_attention
+from .mask_forms import CAUSAL
 from .masks import Predicate
-from .segments import segment_positions, validate_segment_ids
+from .segments import flash_varlen_kwargs, segment_positions, validate_segment_ids
 from .ulysses import inner_backend
 from .unwrap import unwrap_model
 
@@ -55,13 +56,13 @@ def check_model_backend(model, attn_implementation: str) -> None:
 
 
 def text_positions(batch: Mapping[str, Any]) -> torch.Tensor:
-    """(B, L) positions restarting at every segment, checked against the batch's own ``position_ids``; the batch's
-    own where its collator checked them already (``batch_metadata.describe_packed`` runs this on the CPU)."""
-    if batch_metadata(batch) is not None:
-        return batch["position_ids"]
+    """(B, L) positions restarting at every segment, checked against the batch's own ``position_ids``."""
     segment_ids = batch["pack_segment_ids"]
     validate_segment_ids(segment_ids)
     positions = segment_positions(segment_ids)
+    branches = batch_branches(batch)  # a preference pair's continuations both continue from its prefix
+    if branches is not None:
+        positions = positions - branch_position_offsets(segment_ids, branches)
     given = batch.get("position_ids")
     if given is not None and not torch.equal(given.to(positions.device), positions):
         raise ValueError("batch position_ids disagree with pack_segment_ids (expected a restart at every segment)")
@@ -103,29 +104,52 @@ def check_media_placement(batch: Mapping[str, Any], placeholder: torch.Tensor,
 
 
 def packed_attention_kwargs(batch: Mapping[str, Any], attn_implementation: str, dtype: torch.dtype,
-                            boundaries: bool = False, predicates: Mapping[str, Predicate] | None = None) -> dict:
+                            boundaries: bool = False, predicates: Mapping[str, Predicate] | None = None,
+                            predicate: Predicate = CAUSAL) -> dict:
     """The backend's attention inputs for a packed batch, all derived from ``pack_segment_ids``. ``boundaries``:
     also the samples' ``cu_seq_lens_q`` next to an eager/sdpa/flex mask (a hybrid model's linear-attention layers
     read them while its full-attention layers read the mask; flash and sdpa_varlen carry them anyway).
     ``predicates``: one mask per layer type instead (``layer_types.layer_predicates``), as the prepared dict;
-    sdpa_varlen gets it as ``SpanMasks`` next to its varlen kwargs, flash cannot take it."""
+    sdpa_varlen gets it as ``SpanMasks`` next to its varlen kwargs, flash cannot take it. ``predicate``: the one
+    mask's predicate when it is more than causal (a preference pair's branches): eager, sdpa and flex only."""
     segment_ids = batch["pack_segment_ids"]
+    if predicate is not CAUSAL and predicates is None and takes_varlen_kwargs(attn_implementation):
+        raise ValueError(f"{attn_implementation} cannot mask a preference pair's branches (each continuation sees "
+                         f"the prefix, never the other): use sdpa, eager or flex_attention, or dpo.shared_prefix=false")
     if predicates is not None:
         if takes_varlen_kwargs(attn_implementation) and attn_implementation != SDPA_VARLEN:
             raise ValueError(f"{attn_implementation} cannot take this model's per-layer masks (sliding window, "
                              f"bidirectional blocks): use {SDPA_VARLEN}, sdpa, eager or flex_attention")
         masks = {"attention_mask": layer_masks(segment_ids, predicates, attn_implementation, dtype)}
         extra = boundaries or attn_implementation == SDPA_VARLEN
-        return {**packed_varlen_kwargs(batch), **masks} if extra else masks
+        return {**flash_varlen_kwargs(segment_ids), **masks} if extra else masks
     varlen = {}
     if boundaries or takes_varlen_kwargs(attn_implementation):
-        varlen = packed_varlen_kwargs(batch)
+        varlen = flash_varlen_kwargs(segment_ids)
+        given = batch.get("cu_seqlens")
+        if given is not None and not torch.equal(given.to(torch.int32).cpu(), varlen["cu_seq_lens_q"].cpu()):
+            raise ValueError("batch cu_seqlens disagree with pack_segment_ids")
     if takes_varlen_kwargs(attn_implementation):
         return varlen
     if attn_implementation not in ATTENTION_BACKENDS:
         raise NotImplementedError(f"packed attention for {attn_implementation!r} is not implemented")
-    mask = {"attention_mask": attention_mask_for(segment_ids, attn_implementation, dtype)}
+    mask = {"attention_mask": attention_mask_for(segment_ids, attn_implementation, dtype, predicate)}
     return {**mask, BOUNDARIES: varlen[BOUNDARIES]} if boundaries else mask
+
+
+def _pair_predicates(model, predicates: Mapping[str, Predicate] | None,
+                     branches: torch.Tensor) -> tuple[dict[str, Predicate] | None, Predicate]:
+    """The masks of a batch holding preference pairs: every predicate and'ed with ``same_branch_or_prefix``. Refused
+    in one line where a shared prefix is not exact: linear-attention layers (their recurrent state would run from
+    the chosen continuation into the rejected one) and sliding windows (counted in row indices, not positions)."""
+    if has_linear_attention(model) or (predicates is not None and SLIDING in predicates):
+        what = "linear-attention" if has_linear_attention(model) else "sliding-window"
+        raise ValueError(f"this model's {what} layers cannot share a preference pair's prefix exactly: "
+                         "set dpo.shared_prefix=false (the prefix duplicated per answer)")
+    pair = same_branch_or_prefix(branches)
+    if predicates is None:
+        return None, CAUSAL & pair
+    return {layer_type: predicate & pair for layer_type, predicate in predicates.items()}, CAUSAL
 
 
 def prepare_packed_inputs(
@@ -152,13 +176,16 @@ def prepare_packed_inputs(
     text_config = model.config.get_text_config()
     predicates = (layer_predicates(text_config, block_ids, block_layer_types)
                   if block_ids is not None or has_layer_types(text_config) else None)
+    predicate, branches = CAUSAL, batch_branches(batch)
+    if branches is not None:
+        predicates, predicate = _pair_predicates(model, predicates, branches)
     kwargs: dict[str, Any] = {
         "input_ids": batch["input_ids"],
         "position_ids": position_ids,
         "use_cache": False,
         **media,
         **packed_attention_kwargs(batch, attn_implementation, model.dtype, boundaries=has_linear_attention(model),
-                                  predicates=predicates),
+                                  predicates=predicates, predicate=predicate),
     }
     check_packed_model_kwargs(kwargs, attn_implementation, position_rows=position_rows)
     ensure_linear_attention_boundaries(model, kwargs)

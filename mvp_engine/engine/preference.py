@@ -1,0 +1,236 @@
+"""Preference optimisation (``train.objective=dpo``): DPO-family losses over packed preference pairs.
+
+A pair is one packed segment (``mvp_engine.kit.mllm.data.pairs``): a prefix, then the chosen and the rejected
+continuation, told apart by ``pair_branch_ids``. One forward of the model gives both answers' per-token
+log-probabilities through the chunked path (``linear_loss.chunked_token_logprobs``: the supervised positions
+projected a chunk at a time, no logits); summed per continuation they are what every DPO variant reads.
+
+Losses (``dpo.loss_type``; ``d = beta * ((pi_c - ref_c) - (pi_r - ref_r))`` with summed log-probs):
+
+- ``sigmoid`` (DPO): ``-(1 - eps) * logsigmoid(d) - eps * logsigmoid(-d)``, ``eps = dpo.label_smoothing``;
+- ``ipo``: ``(h - 1 / (2 * beta))**2`` with ``h`` the same log-ratio difference of token-MEAN log-probs;
+- ``hinge``: ``relu(1 - d)``;
+- ``simpo``: ``-(1 - eps) * logsigmoid(s) - eps * logsigmoid(-s)``, ``s = beta * (mean pi_c - mean pi_r) -
+  dpo.simpo_gamma``: no reference model.
+
+``dpo.sft_weight`` adds ``w * mean token NLL of the chosen answer`` per pair. Rewards are ``beta * (pi - ref)``
+(SimPO: ``beta * mean pi``); accuracy is the share of pairs whose chosen reward is higher.
+
+Exact under accumulation and data parallelism as the SFT reductions are: the step's loss is the sum of its pairs'
+losses over the number of pairs in the step (every micro-batch, every rank), each pair whole in one micro-batch.
+
+The reference model (``dpo.reference``): ``adapters_off`` runs the policy itself with its LoRA adapters disabled
+(no second copy); ``copy`` a frozen copy taken before training; ``precomputed`` is not offered yet (one line).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from mvp_engine.kit.mllm.data import IGNORE_INDEX
+from mvp_engine.kit.mllm.data.pairs import BRANCH_FIELD, CHOSEN, REJECTED
+from mvp_engine.packing import unwrap_model
+
+from .config import ConfigError
+from .linear_loss import CHUNK_TOKENS, HeadInputs
+from .loss import WeightedTokenLoss
+
+OBJECTIVES = ("sft", "dpo")  # train.objective
+LOSS_TYPES = ("sigmoid", "ipo", "hinge", "simpo")
+REFERENCES = ("adapters_off", "copy", "precomputed")
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy", "logps/chosen",
+           "logps/rejected")
+
+
+@dataclass
+class PreferenceSpec:
+    """``dpo.*`` (module docstring)."""
+
+    loss_type: str = "sigmoid"
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    sft_weight: float = 0.0
+    simpo_gamma: float = 0.5
+    reference: str = "adapters_off"
+    shared_prefix: bool = True  # false: each answer after its own copy of the prompt (pairs.PairEncoder)
+
+    def __post_init__(self) -> None:
+        if self.loss_type not in LOSS_TYPES:
+            raise ConfigError(f"dpo.loss_type={self.loss_type!r} is invalid: allowed one of {list(LOSS_TYPES)}")
+        if self.reference not in REFERENCES:
+            raise ConfigError(f"dpo.reference={self.reference!r} is invalid: allowed one of {list(REFERENCES)}")
+        if self.reference == "precomputed":
+            raise ConfigError("dpo.reference=precomputed is not implemented yet: use adapters_off (LoRA) or copy")
+        if not self.beta > 0:
+            raise ConfigError(f"dpo.beta={self.beta!r} is invalid: allowed a float > 0")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise ConfigError(f"dpo.label_smoothing={self.label_smoothing!r} is invalid: allowed [0, 0.5)")
+        if self.sft_weight < 0:
+            raise ConfigError(f"dpo.sft_weight={self.sft_weight!r} is invalid: allowed a float >= 0")
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.loss_type != "simpo"
+
+
+@dataclass
+class PairLogProbs:
+    """Per pair of a batch (row-major, segment order): each continuation's summed log-probability and token count."""
+
+    chosen: torch.Tensor
+    rejected: torch.Tensor
+    chosen_tokens: torch.Tensor
+    rejected_tokens: torch.Tensor
+
+
+def _pair_owners(segment_ids: torch.Tensor, branches: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One id per (row, segment) of every position, and the sorted ids of the segments that are pairs."""
+    width = segment_ids.shape[1]
+    rows = torch.arange(segment_ids.shape[0], device=segment_ids.device).unsqueeze(1)
+    owner = rows * (width + 1) + segment_ids + 1
+    return owner, torch.unique(owner[branches == CHOSEN])
+
+
+def count_pairs(batch: dict) -> int:
+    """The preference pairs of ``batch`` (segments holding a chosen continuation)."""
+    branches = batch.get(BRANCH_FIELD)
+    if branches is None:
+        return 0
+    return int(_pair_owners(batch["pack_segment_ids"], branches)[1].numel())
+
+
+def pair_logprobs(token_logprobs: torch.Tensor, labels: torch.Tensor, segment_ids: torch.Tensor,
+                  branches: torch.Tensor) -> PairLogProbs:
+    """Sums of ``token_logprobs`` (``[B, L-1]``: position t's log-probability of token t + 1, 0 where unsupervised)
+    over each pair's chosen and rejected targets."""
+    owner, pairs = _pair_owners(segment_ids, branches)
+    owner, target_branch = owner[:, 1:], branches[:, 1:]
+    supervised = labels[:, 1:] != IGNORE_INDEX
+    sums, counts = [], []
+    for branch in (CHOSEN, REJECTED):
+        mask = supervised & (target_branch == branch)
+        index = torch.searchsorted(pairs, owner[mask])
+        sums.append(token_logprobs.new_zeros(len(pairs)).index_add(0, index, token_logprobs[mask]))
+        counts.append(torch.zeros(len(pairs), dtype=token_logprobs.dtype, device=pairs.device)
+                      .index_add_(0, index, torch.ones_like(token_logprobs[mask])))
+    if bool((torch.stack(counts) == 0).any()):
+        raise ValueError("a preference pair has a continuation without supervised tokens")
+    return PairLogProbs(sums[0], sums[1], counts[0], counts[1])
+
+
+def preference_losses(policy: PairLogProbs, reference: PairLogProbs | None,
+                      spec: PreferenceSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per pair: the loss (module docstring), the chosen and the rejected reward (detached)."""
+    beta, eps = spec.beta, spec.label_smoothing
+    if spec.loss_type == "simpo":
+        chosen, rejected = policy.chosen / policy.chosen_tokens, policy.rejected / policy.rejected_tokens
+        logits = beta * (chosen - rejected) - spec.simpo_gamma
+        losses = -(1 - eps) * F.logsigmoid(logits) - eps * F.logsigmoid(-logits)
+        rewards = beta * chosen, beta * rejected
+    else:
+        if reference is None:
+            raise ValueError(f"dpo.loss_type={spec.loss_type} needs reference log-probabilities")
+        chosen, rejected = policy.chosen - reference.chosen, policy.rejected - reference.rejected
+        rewards = beta * chosen, beta * rejected
+        if spec.loss_type == "ipo":
+            mean_ratio = chosen / policy.chosen_tokens - rejected / policy.rejected_tokens
+            losses = (mean_ratio - 1 / (2 * beta)) ** 2
+        elif spec.loss_type == "hinge":
+            losses = torch.relu(1 - beta * (chosen - rejected))
+        else:
+            logits = beta * (chosen - rejected)
+            losses = -(1 - eps) * F.logsigmoid(logits) - eps * F.logsigmoid(-logits)
+    if spec.sft_weight:
+        losses = losses - spec.sft_weight * policy.chosen / policy.chosen_tokens
+    return losses, rewards[0].detach(), rewards[1].detach()
+
+
+def batch_pair_logprobs(model, batch: dict, forward: Callable, autocast: Callable = nullcontext,
+                        chunk_tokens: int = CHUNK_TOKENS):
+    """The pairs' log-probabilities under ``model`` (``forward(model, batch) -> (outputs, dummy loss)``: the step's
+    forward with its dummy media passes), the dummy loss, and zero times the first-position logits (so the head takes
+    part in every backward, as ``HeadInputs.loss`` does)."""
+    with HeadInputs(model) as head:
+        outputs, dummy = forward(model, batch)
+    with autocast():
+        tokens = head.token_logprobs(outputs.logits, batch["labels"], None, chunk_tokens)
+    logprobs = pair_logprobs(tokens, batch["labels"], batch["pack_segment_ids"], batch[BRANCH_FIELD])
+    return logprobs, dummy, outputs.logits.float().sum() * 0.0
+
+
+@contextmanager
+def adapters_disabled(model) -> Iterator[None]:
+    """``model`` computing as its base: every LoRA layer's adapters off (peft's own switch), trainability restored
+    after. One line where the model has no adapters."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in unwrap_model(model).modules() if isinstance(m, BaseTunerLayer)]
+    if not layers:
+        raise ConfigError("dpo.reference=adapters_off needs LoRA adapters (model.lora.r > 0): without them the "
+                          "policy is its own reference; use dpo.reference=copy")
+    trainable = {p: p.requires_grad for p in model.parameters()}
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+        for param, flag in trainable.items():
+            param.requires_grad_(flag)
+
+
+def frozen_copy(model) -> torch.nn.Module:
+    """``dpo.reference=copy``: the model as it is now, frozen, in eval mode (no dropout)."""
+    reference = copy.deepcopy(unwrap_model(model))
+    return reference.requires_grad_(False).eval()
+
+
+class PreferenceObjective:
+    """The step's objective under ``train.objective=dpo``: the weight of a micro-batch (its pairs), its loss parts
+    and the step's metrics. ``reference``: the frozen copy under ``dpo.reference=copy``."""
+
+    def __init__(self, spec: PreferenceSpec, reference: torch.nn.Module | None = None):
+        if spec.needs_reference and spec.reference == "copy" and reference is None:
+            raise ValueError("dpo.reference=copy needs the frozen copy (preference.frozen_copy)")
+        self.spec = spec
+        self.reference = reference
+        self._totals = torch.zeros(len(METRICS) + 1, dtype=torch.float64)
+
+    def weights(self, batch: dict) -> int:
+        return count_pairs(batch)
+
+    def reference_logprobs(self, model, batch: dict, forward: Callable, autocast: Callable,
+                           chunk_tokens: int) -> PairLogProbs | None:
+        if not self.spec.needs_reference:
+            return None
+        with torch.no_grad():
+            if self.spec.reference == "copy":
+                return batch_pair_logprobs(self.reference, batch, forward, autocast, chunk_tokens)[0]
+            with adapters_disabled(model):
+                return batch_pair_logprobs(model, batch, forward, autocast, chunk_tokens)[0]
+
+    def loss(self, model, batch: dict, forward: Callable, autocast: Callable = nullcontext,
+             chunk_tokens: int = CHUNK_TOKENS) -> tuple[WeightedTokenLoss, torch.Tensor | None]:
+        """The micro-batch's summed pair losses and pair count, and the dummy media loss."""
+        reference = self.reference_logprobs(model, batch, forward, autocast, chunk_tokens)
+        policy, dummy, zero = batch_pair_logprobs(model, batch, forward, autocast, chunk_tokens)
+        losses, chosen, rejected = preference_losses(policy, reference, self.spec)
+        stats = torch.stack([chosen.sum(), rejected.sum(), (chosen - rejected).sum(), (chosen > rejected).sum(),
+                             policy.chosen.detach().sum(), policy.rejected.detach().sum(),
+                             torch.tensor(float(len(losses)), device=losses.device)])
+        self._totals += stats.double().cpu()
+        return WeightedTokenLoss(losses.sum() + zero, torch.tensor(float(len(losses)))), dummy
+
+    def step_metrics(self, reduce: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> dict[str, float]:
+        """The step's means per pair (``reduce``: the sum over ranks), then reset for the next step."""
+        totals = reduce(self._totals).cpu()
+        self._totals = torch.zeros_like(self._totals)
+        pairs = float(totals[-1])
+        return {name: float(value) / max(pairs, 1.0) for name, value in zip(METRICS, totals[:-1].tolist())}
