@@ -25,12 +25,13 @@ from mvp_engine.kit.mllm.data.media import IMAGES, MediaKind
 
 from .attention import attention_mask_for, check_packed_model_kwargs, ensure_no_batch_fields, layer_masks
 from .backends import ATTENTION_BACKENDS, SDPA_VARLEN, takes_varlen_kwargs
+from .batch_metadata import batch_metadata, packed_varlen_kwargs
 from .branches import batch_branches, branch_position_offsets, same_branch_or_prefix
 from .layer_types import LAYER_TYPES, SLIDING, has_layer_types, layer_predicates
 from .linear_attention import BOUNDARIES, ensure_linear_attention_boundaries, has_linear_attention
 from .mask_forms import CAUSAL
 from .masks import Predicate
-from .segments import flash_varlen_kwargs, segment_positions, validate_segment_ids
+from .segments import segment_positions, validate_segment_ids
 from .ulysses import inner_backend
 from .unwrap import unwrap_model
 
@@ -56,7 +57,10 @@ def check_model_backend(model, attn_implementation: str) -> None:
 
 
 def text_positions(batch: Mapping[str, Any]) -> torch.Tensor:
-    """(B, L) positions restarting at every segment, checked against the batch's own ``position_ids``."""
+    """(B, L) positions restarting at every segment, checked against the batch's own ``position_ids``; the batch's
+    own where its collator checked them already (``batch_metadata.describe_packed`` runs this on the CPU)."""
+    if batch_metadata(batch) is not None:
+        return batch["position_ids"]
     segment_ids = batch["pack_segment_ids"]
     validate_segment_ids(segment_ids)
     positions = segment_positions(segment_ids)
@@ -115,20 +119,17 @@ def packed_attention_kwargs(batch: Mapping[str, Any], attn_implementation: str, 
     segment_ids = batch["pack_segment_ids"]
     if predicate is not CAUSAL and predicates is None and takes_varlen_kwargs(attn_implementation):
         raise ValueError(f"{attn_implementation} cannot mask a preference pair's branches (each continuation sees "
-                         f"the prefix, never the other): use sdpa, eager or flex_attention, or dpo.shared_prefix=false")
+                         f"the prefix, never the other): use sdpa, eager or flex_attention")
     if predicates is not None:
         if takes_varlen_kwargs(attn_implementation) and attn_implementation != SDPA_VARLEN:
             raise ValueError(f"{attn_implementation} cannot take this model's per-layer masks (sliding window, "
                              f"bidirectional blocks): use {SDPA_VARLEN}, sdpa, eager or flex_attention")
         masks = {"attention_mask": layer_masks(segment_ids, predicates, attn_implementation, dtype)}
         extra = boundaries or attn_implementation == SDPA_VARLEN
-        return {**flash_varlen_kwargs(segment_ids), **masks} if extra else masks
+        return {**packed_varlen_kwargs(batch), **masks} if extra else masks
     varlen = {}
     if boundaries or takes_varlen_kwargs(attn_implementation):
-        varlen = flash_varlen_kwargs(segment_ids)
-        given = batch.get("cu_seqlens")
-        if given is not None and not torch.equal(given.to(torch.int32).cpu(), varlen["cu_seq_lens_q"].cpu()):
-            raise ValueError("batch cu_seqlens disagree with pack_segment_ids")
+        varlen = packed_varlen_kwargs(batch)
     if takes_varlen_kwargs(attn_implementation):
         return varlen
     if attn_implementation not in ATTENTION_BACKENDS:
@@ -140,12 +141,12 @@ def packed_attention_kwargs(batch: Mapping[str, Any], attn_implementation: str, 
 def _pair_predicates(model, predicates: Mapping[str, Predicate] | None,
                      branches: torch.Tensor) -> tuple[dict[str, Predicate] | None, Predicate]:
     """The masks of a batch holding preference pairs: every predicate and'ed with ``same_branch_or_prefix``. Refused
-    in one line where a shared prefix is not exact: linear-attention layers (their recurrent state would run from
-    the chosen continuation into the rejected one) and sliding windows (counted in row indices, not positions)."""
+    in one line where the branches are not exact: linear-attention layers (their recurrent state would run from the
+    chosen continuation into the rejected one) and sliding windows (counted in row indices, not positions)."""
     if has_linear_attention(model) or (predicates is not None and SLIDING in predicates):
         what = "linear-attention" if has_linear_attention(model) else "sliding-window"
-        raise ValueError(f"this model's {what} layers cannot share a preference pair's prefix exactly: "
-                         "set dpo.shared_prefix=false (the prefix duplicated per answer)")
+        raise ValueError(f"preference pairs are not supported on models with {what} layers yet: their two "
+                         "continuations would not stay apart")
     pair = same_branch_or_prefix(branches)
     if predicates is None:
         return None, CAUSAL & pair
