@@ -59,6 +59,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from mvp_engine.engine.config import RunSpecs, TrainSpec, compose_config, resolve_run_specs
 from mvp_engine.engine.demo import with_demo_data
+from mvp_engine.engine.linear_loss import chunked_token_loss
 from mvp_engine.engine.loss import weighted_token_loss
 from mvp_engine.engine.participation import dummy_passes, forward_with_media_pass, freeze_parameters, media_kinds
 from mvp_engine.engine.recipe import Recipe, load_recipe
@@ -76,6 +77,14 @@ TARGET_STATE_RATIO = 0.55
 TARGET_SAVED_RATIO = 0.3
 EXACT_TOL = 1e-6
 MIB = 2**20
+GIB = 2**30
+# --loss: the vocabularies (Qwen-VL, Gemma) and packed lengths of the table, and its targets
+LOSS_VOCABS = (151936, 262144)
+LOSS_LENGTHS = (4096, 8192, 16384, 32768)
+LOSS_IMPLS = ("full", "chunked")
+TARGET_CHUNKED_PEAK_GIB = 1.0  # at the longest length and the largest vocabulary
+TARGET_CHUNKED_TIME_RATIO = 1.10  # chunked step time over full's, where full fits
+FULL_BYTES_PER_LOGIT = 12  # fp32 logits, the log-softmax cross-entropy keeps, the logits' gradient
 
 
 # ------------------------------------------------------------------------------------------ counting, exactly
@@ -243,6 +252,95 @@ def measure_activations(recipe: Recipe, model_cfg: dict, attention: str, batch: 
     return out
 
 
+# ------------------------------------------------------------------------------------------ the loss alone
+
+
+def peak_added_bytes(step) -> int:
+    """The most bytes allocated at once while ``step()`` runs, above what was allocated before it: the CPU
+    allocations the profiler records per op, added up in the order the ops ran."""
+    with torch.autograd.profiler.profile(profile_memory=True, use_kineto=False) as profile:
+        step()
+    live = peak = 0
+    for event in sorted(profile.function_events, key=lambda event: event.time_range.start):
+        live += event.self_cpu_memory_usage
+        peak = max(peak, live)
+    return peak
+
+
+def loss_step(impl: str, hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, chunk_tokens: int):
+    """The loss's forward and backward from the final hidden states (``impl`` full: the head's logits of every
+    position then ``weighted_token_loss``; chunked: ``chunked_token_loss``), token reduction."""
+    hidden.grad, head.weight.grad = None, None
+    segments = torch.zeros_like(labels)
+    if impl == "full":
+        part = weighted_token_loss(head(hidden), labels, segments, "token")
+    else:
+        part = chunked_token_loss(hidden, head, labels, segments, "token", chunk_tokens=chunk_tokens)
+    (part.weighted_sum / part.weight_total).backward()
+    return float(part.weighted_sum.detach() / part.weight_total)
+
+
+def measure_loss(length: int, vocab: int, hidden_size: int, chunk_tokens: int, budget_gib: float, seed: int) -> dict:
+    """Peak added bytes and seconds of one loss forward + backward per impl at ``length`` x ``vocab`` (fp32; every
+    position supervised, the worst case); full is only computed (``FULL_BYTES_PER_LOGIT`` per logit) where that is
+    above ``budget_gib``."""
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(1, length, hidden_size, generator=generator).requires_grad_()
+    head = torch.nn.Linear(hidden_size, vocab, bias=False)
+    torch.nn.init.normal_(head.weight, std=hidden_size ** -0.5, generator=generator)
+    labels = torch.randint(0, vocab, (1, length), generator=generator)
+    out = {"length": length, "vocab": vocab, "full_computed_bytes": FULL_BYTES_PER_LOGIT * length * vocab}
+    for impl in LOSS_IMPLS:
+        if impl == "full" and out["full_computed_bytes"] > budget_gib * GIB:
+            out[impl] = None
+            continue
+        start = time.perf_counter()
+        peak = peak_added_bytes(lambda impl=impl: loss_step(impl, hidden, head, labels, chunk_tokens))
+        out[impl] = {"peak_bytes": peak, "seconds": time.perf_counter() - start}
+    return out
+
+
+def loss_targets(rows: list[dict]) -> list[dict]:
+    """Chunked peak at the longest length x largest vocabulary, and chunked time over full's where full ran."""
+    last = max(rows, key=lambda row: (row["length"], row["vocab"]))
+    peak = last["chunked"]["peak_bytes"] / GIB
+    ratios = [row["chunked"]["seconds"] / row["full"]["seconds"] for row in rows if row["full"] is not None]
+    ratio = max(ratios) if ratios else float("nan")
+    return [{"name": "chunked_peak", "value": peak, "ok": peak <= TARGET_CHUNKED_PEAK_GIB,
+             "line": f"(1) chunked loss peak <= {TARGET_CHUNKED_PEAK_GIB:g} GiB at {last['length']} x "
+                     f"{last['vocab']}: {peak:.3f} GiB -> {verdict(peak <= TARGET_CHUNKED_PEAK_GIB)}"},
+            {"name": "chunked_time", "value": ratio, "ok": bool(ratios) and ratio <= TARGET_CHUNKED_TIME_RATIO,
+             "line": f"(2) chunked step time <= {TARGET_CHUNKED_TIME_RATIO}x full's where full fits: worst "
+                     f"{ratio:.2f}x over {len(ratios)} sizes -> "
+                     f"{verdict(bool(ratios) and ratio <= TARGET_CHUNKED_TIME_RATIO)}"}]
+
+
+def run_loss(args: argparse.Namespace) -> dict:
+    """The --loss table: every vocabulary x length, full vs chunked, and its targets."""
+    started = time.perf_counter()
+    torch.set_num_threads(args.threads)
+    rows = []
+    for vocab in args.vocabs:
+        for length in args.lengths:
+            progress(f"loss at L={length}, V={vocab}")
+            rows.append(measure_loss(length, vocab, args.loss_hidden, args.chunk_tokens, args.budget_gib, args.seed))
+    lines = [f"loss forward + backward from hidden states (hidden {args.loss_hidden}, fp32 on CPU, every position "
+             f"supervised, chunks of {args.chunk_tokens}, torch threads {args.threads}); peak added memory from the "
+             f"profiler's allocation events; full runs where {FULL_BYTES_PER_LOGIT} bytes per logit fit "
+             f"{args.budget_gib:g} GiB",
+             f"  {'vocab':>7s} {'L':>6s} {'full peak GiB':>14s} {'full s':>7s} {'chunked peak GiB':>17s} "
+             f"{'chunked s':>10s}"]
+    for row in rows:
+        full = row["full"]
+        left = (f"{full['peak_bytes'] / GIB:>14.3f} {full['seconds']:>7.2f}" if full is not None else
+                f"{row['full_computed_bytes'] / GIB:>9.1f} (computed, does not fit)")
+        lines.append(f"  {row['vocab']:>7d} {row['length']:>6d} {left} {row['chunked']['peak_bytes'] / GIB:>17.3f} "
+                     f"{row['chunked']['seconds']:>10.2f}")
+    found = loss_targets(rows)
+    lines += ["targets:", *(f"  {t['line']}" for t in found), f"bench time {time.perf_counter() - started:.1f} s"]
+    return {"rows": rows, "targets": found, "ok": all(t["ok"] for t in found), "args": vars(args), "lines": lines}
+
+
 # --------------------------------------------------------------------------------------------------- report
 
 
@@ -325,6 +423,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="weights and the demo plan")
     parser.add_argument("--workdir", type=Path, help="demo data and rank outputs (default: a temporary directory)")
     parser.add_argument("--json", type=Path, help="write every number here")
+    parser.add_argument("--loss", action="store_true", help="the loss alone: full vs chunked (the table above)")
+    parser.add_argument("--vocabs", type=int, nargs="+", default=list(LOSS_VOCABS), help="--loss: vocabularies")
+    parser.add_argument("--lengths", type=int, nargs="+", default=list(LOSS_LENGTHS), help="--loss: lengths")
+    parser.add_argument("--loss-hidden", type=int, default=64, help="--loss: the hidden size the head projects")
+    parser.add_argument("--chunk-tokens", type=int, default=TrainSpec.loss_chunk_tokens, help="--loss: chunk")
+    parser.add_argument("--budget-gib", type=float, default=24.0, help="--loss: full runs only where it fits")
     args = parser.parse_args(argv)
     if min(args.length, args.state_length, args.samples, args.repeats, args.threads, args.layers,
            args.vision_layers) < 1:
@@ -358,7 +462,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     threads = torch.get_num_threads()
     try:
-        if args.workdir is None:
+        if args.loss:
+            result = run_loss(args)
+        elif args.workdir is None:
             with tempfile.TemporaryDirectory() as workdir:
                 result = run(args, Path(workdir))
         else:
