@@ -36,12 +36,18 @@ AUTO_WORKERS = "auto"  # train.num_workers: loader processes from this process's
 GRAD_SYNCS = ("every", "last")  # train.grad_sync: which micro-batches FSDP2 reduce-scatters gradients after
 # train.loss_impl: chunked projects the supervised positions a chunk at a time (linear_loss.py); full takes the
 # model's whole logits (loss.py), the reference the chunked path is tested against
-LOSS_IMPLS = ("chunked", "full")
+LOSS_IMPLS = ("chunked", "full", "liger", "cce")
+GPU_LOSS_IMPLS = ("liger", "cce")  # fused Triton kernels of optional packages (gpu_losses.py): CUDA only
 AUTO_PRECISION = "auto"  # train.mixed_precision: bf16 on CUDA, no on the CPU (resolve_mixed_precision)
 MIXED_PRECISION = ("no", "bf16", "fp16")
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 HALF_DTYPES = tuple(AUTOCAST_DTYPES.values())  # what flash attention kernels compute in
 SHARDINGS = ("none", "fsdp2")  # train.sharding (mvp_engine.engine.sharding)
+# train.offload: params puts FSDP2's shards, their gradients and the optimizer state built over them on the host
+# (torch's CPUOffloadPolicy, sharding.py)
+OFFLOADS = ("none", "params")
+# model.quantization: the base's linear layers in 4-bit NF4 or 8-bit (bitsandbytes) under LoRA adapters (quantize.py)
+QUANTIZATIONS = ("none", "nf4", "int8")
 # train.router_aux_loss_scope: over what the load-balancing loss's expert fractions are counted (router_balance.py)
 ROUTER_AUX_SCOPES = ("step", "micro_batch")
 # The Hydra config root: conf/<recipe>.yaml is each recipe's primary config.
@@ -94,6 +100,9 @@ class TrainSpec:
     # last of each step only (one reduce-scatter per step; each rank keeps its units' unsharded fp32 gradients
     # until then); DDP syncs after the last either way (train_step.py)
     grad_sync: str = "every"
+    # FSDP2: none, or params: shards, gradients and optimizer state on the host, each unit copied to the device
+    # for its forward and backward (CPUOffloadPolicy; OFFLOADS)
+    offload: str = "none"
     # mixture-of-experts models (router_balance.py): the load-balancing loss's coefficient (null: the model config's
     # where its own aux loss is on, else 0) and over what its expert fractions are counted: the whole optimizer step
     # (exact: one extra no-grad forward per micro-batch) or each micro-batch summed over the ranks
@@ -113,6 +122,9 @@ class TrainSpec:
                               f"{list(REDUCTIONS)}")
         if self.loss_impl not in LOSS_IMPLS:
             raise ConfigError(f"train.loss_impl={self.loss_impl!r} is invalid: allowed one of {list(LOSS_IMPLS)}")
+        if self.loss_impl in GPU_LOSS_IMPLS and not cuda_in_use():
+            raise ConfigError(f"train.loss_impl={self.loss_impl!r} needs a CUDA GPU (its fused kernel is Triton, "
+                              "which does not run on the CPU): use 'chunked', the same loss in torch")
         if not self.learning_rate > 0:
             raise ConfigError(f"train.learning_rate={self.learning_rate!r} is invalid: allowed a float > 0")
         if not 0 <= self.warmup_ratio < 1:
@@ -149,6 +161,10 @@ class TrainSpec:
             raise ConfigError(f"train.num_workers={workers!r} is invalid: allowed {AUTO_WORKERS!r} or an int >= 0")
         if self.grad_sync not in GRAD_SYNCS:
             raise ConfigError(f"train.grad_sync={self.grad_sync!r} is invalid: allowed one of {list(GRAD_SYNCS)}")
+        if self.offload not in OFFLOADS:
+            raise ConfigError(f"train.offload={self.offload!r} is invalid: allowed one of {list(OFFLOADS)}")
+        if self.offload != "none" and self.sharding != "fsdp2":
+            raise ConfigError(f"train.offload={self.offload!r} offloads FSDP2's shards: set train.sharding=fsdp2")
         coef = self.router_aux_loss_coef
         if coef is not None and (isinstance(coef, bool) or not isinstance(coef, (int, float)) or coef < 0):
             raise ConfigError(f"train.router_aux_loss_coef={coef!r} is invalid: allowed null or a float >= 0")
@@ -231,6 +247,7 @@ class ModelSpec:
     freeze: list[str] = field(default_factory=list)  # module-name patterns (fnmatch)
     lora: LoraSpec = field(default_factory=LoraSpec)
     config: dict = field(default_factory=dict)
+    quantization: str = "none"  # none, nf4 or int8: the base under LoRA adapters (QUANTIZATIONS)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -247,6 +264,12 @@ class ModelSpec:
             raise ConfigError(f"model.freeze={self.freeze!r} is invalid: allowed a list of module-name patterns")
         if not isinstance(self.config, dict):
             raise ConfigError(f"model.config={self.config!r} is invalid: allowed a mapping")
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"model.quantization={self.quantization!r} is invalid: allowed one of "
+                              f"{list(QUANTIZATIONS)}")
+        if self.quantization != "none" and not self.lora.enabled:
+            raise ConfigError(f"model.quantization={self.quantization} freezes a quantized base: train LoRA "
+                              "adapters on it (model.lora.r > 0)")
 
 
 def model_spec(node) -> ModelSpec:
