@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -71,8 +72,9 @@ def build_processor(model_cfg: Mapping | None = None, tokenizer_dir: Path = DEFA
     return replace(bundle, video_processor=video)
 
 
-class Glm4vMixedMediaModel(Glm4vModel):
-    """``Glm4vModel`` whose video placeholders are ``config.video_token_id`` in ``input_ids`` (module docstring)."""
+class MixedMediaPlaceholders:
+    """Mixed into a GLM-4.1V-style model (``Glm4vModel``, GLM-4.5V's ``Glm4vMoeModel``): video placeholders are
+    ``config.video_token_id`` in ``input_ids`` (module docstring), each kind's count checked against its features."""
 
     def get_placeholder_mask(self, input_ids, inputs_embeds, image_features=None, video_features=None):
         if input_ids is None:
@@ -88,6 +90,10 @@ class Glm4vMixedMediaModel(Glm4vModel):
         return tuple(masks)
 
 
+class Glm4vMixedMediaModel(MixedMediaPlaceholders, Glm4vModel):
+    """``Glm4vModel`` whose video placeholders are ``config.video_token_id`` in ``input_ids``."""
+
+
 class Glm4vMixedMediaForConditionalGeneration(Glm4vForConditionalGeneration):
     """``Glm4vForConditionalGeneration`` on :class:`Glm4vMixedMediaModel`: the same weights and config."""
 
@@ -98,10 +104,10 @@ class Glm4vMixedMediaForConditionalGeneration(Glm4vForConditionalGeneration):
         self.post_init()
 
 
-def tiny_config(model_cfg: Mapping, tokenizer: PreTrainedTokenizerBase) -> Glm4vConfig:
-    """``Glm4vConfig`` from ``model_cfg.config`` (text_config / vision_config dicts, top-level fields), with the
-    vocabulary size and every special-token id from the tokenizer, the vision tower's output width the text
-    width."""
+def tiny_config(model_cfg: Mapping, tokenizer: PreTrainedTokenizerBase, config_cls=Glm4vConfig):
+    """``config_cls`` (GLM-4.1V's or GLM-4.5V's config) from ``model_cfg.config`` (text_config / vision_config
+    dicts, top-level fields), with the vocabulary size and every special-token id from the tokenizer, the vision
+    tower's output width the text width."""
     raw = dict((to_plain(model_cfg) or {}).get("config") or {})
     text = dict(raw.pop("text_config", None) or {})
     vision = dict(raw.pop("vision_config", None) or {})
@@ -111,19 +117,27 @@ def tiny_config(model_cfg: Mapping, tokenizer: PreTrainedTokenizerBase) -> Glm4v
 
     text.update(vocab_size=len(tokenizer), pad_token_id=tid(PAD_TOKEN))
     vision.setdefault("out_hidden_size", text.get("hidden_size"))
-    return Glm4vConfig(text_config=text, vision_config=vision, image_token_id=tid(IMAGE_TOKEN),
+    return config_cls(text_config=text, vision_config=vision, image_token_id=tid(IMAGE_TOKEN),
                        video_token_id=tid(VIDEO_TOKEN), image_start_token_id=tid(BEGIN_IMAGE),
                        image_end_token_id=tid(END_IMAGE), video_start_token_id=tid(BEGIN_VIDEO),
                        video_end_token_id=tid(END_VIDEO), **raw)
 
 
+def build_glm_model(model_cls, config_cls, model_cfg: Mapping | None, attn_implementation: str = "sdpa",
+                    tokenizer_dir: Path = DEFAULT_TOKENIZER_DIR):
+    """``model_cls`` from ``model_cfg.pretrained`` or a tiny seeded init of :func:`tiny_config` (``config_cls``).
+    Keys read: ``pretrained``, ``tokenizer_dir``, ``config``, ``seed``, ``dtype``. The vision tower keeps flash (it
+    passes its own cu_seqlens)."""
+    attention = sub_model_attention(attn_implementation, vision_shares=("eager", "sdpa", *FLASH_BACKENDS))
+    return build_hf_model(model_cls, model_cfg, attention, partial(tiny_config, config_cls=config_cls),
+                          tokenizer_dir)
+
+
 def build_model(model_cfg: Mapping | None, attn_implementation: str = "sdpa",
                 tokenizer_dir: Path = DEFAULT_TOKENIZER_DIR):
-    """:class:`Glm4vMixedMediaForConditionalGeneration` from ``model_cfg.pretrained`` or a tiny seeded init of
-    :func:`tiny_config`. Keys read: ``pretrained``, ``tokenizer_dir``, ``config``, ``seed``, ``dtype``. The vision
-    tower keeps flash (it passes its own cu_seqlens)."""
-    attention = sub_model_attention(attn_implementation, vision_shares=("eager", "sdpa", *FLASH_BACKENDS))
-    return build_hf_model(Glm4vMixedMediaForConditionalGeneration, model_cfg, attention, tiny_config, tokenizer_dir)
+    """:class:`Glm4vMixedMediaForConditionalGeneration` (:func:`build_glm_model`)."""
+    return build_glm_model(Glm4vMixedMediaForConditionalGeneration, Glm4vConfig, model_cfg, attn_implementation,
+                           tokenizer_dir)
 
 
 dummy_media = qwen_dummy_media  # one merged token of zero pixels: the vision tower's layout is Qwen2-VL's

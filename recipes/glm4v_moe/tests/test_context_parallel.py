@@ -1,0 +1,9 @@
+"""Context parallelism on glm4v_moe (the kit's ``ContextParallelSuite``): a packed row split over 2 gloo ranks equals
+the unsplit row on every CPU backend (the MoE layer included), and CP = 2 on 2 processes trains what 1 process
+trains."""
+
+from mvp_engine.engine.testkit.suites import ContextParallelSuite
+
+
+class TestContextParallel(ContextParallelSuite):
+    recipe = "glm4v_moe"
