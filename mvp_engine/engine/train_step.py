@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -18,6 +19,7 @@ from mvp_engine.kit.mllm.data.media import IMAGES, MediaKind
 from mvp_engine.packing import SequenceShard
 
 from .config import TrainSpec
+from .grad_buckets import all_reduce_mean
 from .linear_loss import HeadInputs
 from .loss import WeightedTokenLoss, token_weights, weighted_token_loss
 from .parallel import sequence_parallel_forward
@@ -56,6 +58,7 @@ class TrainStep:
     media_kinds: tuple[MediaKind, ...] = (IMAGES,)
     shard: SequenceShard | None = None  # context parallelism: this rank's chunk of every row (parallel.py)
     balance: RouterBalance | None = None  # mixture-of-experts router statistics and load balancing (router_balance.py)
+    objective: Any = None  # train.objective=dpo: preference.PreferenceObjective (its loss and weights replace SFT's)
 
     def span(self, batch: dict) -> tuple[int, int] | None:
         """The positions of the rows this rank computes the loss of (None: all of them)."""
@@ -103,6 +106,9 @@ class TrainStep:
         """``batch``'s loss parts by ``train.loss_impl`` (``chunked``: the model's head over the hidden states of the
         supervised positions, ``linear_loss.py``; ``full``: its logits) and the zero loss of any dummy media passes.
         The chunked head runs under the forward's autocast, so it projects in the precision the model's own did."""
+        if self.objective is not None:
+            return self.objective.loss(model, batch, self.forward, self.forward_autocast(model),
+                                       self.train.loss_chunk_tokens)
         labels, segments, span = batch["labels"], batch["pack_segment_ids"], self.span(batch)
         if self.train.loss_impl == "full":
             outputs, dummy = self.forward(model, batch)
@@ -126,7 +132,8 @@ class TrainStep:
         are returned; the update is the same (the mean of the ranks' gradients).
         """
         accelerator, reduction, timed = self.accelerator, self.train.loss_reduction, self.train.time_barrier
-        local = sum(token_weights(b["labels"], b["pack_segment_ids"], reduction, self.span(b)).sum() for b in group)
+        local = sum(self.objective.weights(b) if self.objective is not None
+                    else token_weights(b["labels"], b["pack_segment_ids"], reduction, self.span(b)).sum() for b in group)
         total = accelerator.reduce(torch.as_tensor(local, device=accelerator.device, dtype=torch.float64),
                                    reduction="sum")
         denominator = total.clamp(min=1e-12)
@@ -170,19 +177,12 @@ class TrainStep:
 
     def _barrier_and_sync(self, model, compute_seconds: float) -> tuple[float, float]:
         """``train.time_barrier``: wait at an explicit barrier (timed), then average the gradients over the ranks
-        (what DDP's all-reduce does), one flat all-reduce."""
+        (what DDP's all-reduce does), a bucket at a time (``grad_buckets``: one bucket of extra memory)."""
         world_size = self.accelerator.num_processes
         if world_size == 1:
             return compute_seconds, 0.0
         start = time.perf_counter()
         torch.distributed.barrier()
         waited = time.perf_counter() - start
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        torch.distributed.all_reduce(flat)
-        flat /= world_size
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        all_reduce_mean([p.grad for p in model.parameters() if p.grad is not None], world_size)
         return compute_seconds, waited
