@@ -1,7 +1,7 @@
 """What the Qwen vision-language recipes share (``recipes/qwen2_vl``, ``recipes/qwen2_5_vl``, ``recipes/qwen3_vl``,
-``recipes/qwen3_5``, ``recipes/qwen3_5_moe``), and ``recipes/glm4v``, whose vision tower is Qwen2-VL's (it takes the
-processor bundle, dummy media, cost profile, media fields and video sampling): a family package, not a recipe (no
-entry point, no config), written once and imported by each.
+``recipes/qwen3_vl_moe``, ``recipes/qwen3_5``, ``recipes/qwen3_5_moe``), and ``recipes/glm4v``, whose vision tower is
+Qwen2-VL's (it takes the processor bundle, dummy media, cost profile, media fields and video sampling): a family
+package, not a recipe (no entry point, no config), written once and imported by each.
 
 - ``tokens``: the special tokens (ChatML turns, ``<|image_pad|>`` / ``<|video_pad|>`` inside
   ``<|vision_start|>...<|vision_end|>``), the chat templates and the tokenizers (``TOKENIZERS``: the assets of
@@ -9,6 +9,8 @@ entry point, no config), written once and imported by each.
 - ``video``: :class:`QwenVideoProcessor` (Qwen2-VL) and :class:`Qwen3VideoProcessor` (Qwen3-VL, Qwen3.5): frame
   sampling, sizes, timestamps and patch layout with numpy/PIL.
 - ``processor``: :class:`QwenProcessorBundle` / :func:`build_qwen_processor` (tokenizer, image and video processors).
+- ``qwen3_vl``: what the recipes over Qwen3-VL checkpoints share (``recipes/qwen3_vl``, ``recipes/qwen3_vl_moe``): the
+  tokenizer asset, image and video processing (:func:`qwen3_vl.build_qwen3_vl_processor`), the attention backends.
 - ``model``: :func:`build_qwen_model` (pretrained or a tiny seeded init wired to the tokenizer's special tokens),
   :func:`qwen_dummy_media`, :func:`qwen_cost_profile` (where the cost model finds the vision tower and merger).
 - ``hybrid``: :func:`build_hybrid_model` (Qwen3.5 and Qwen3.5-MoE: Gated DeltaNet layers made boundary-aware).

@@ -42,9 +42,7 @@ from __future__ import annotations
 from functools import partial
 
 from recipes.qwen import packed as qwen_packed
-
-# flex_attention is refused by transformers 5.24 for Qwen3-VL at load time.
-ATTENTION_BACKENDS = ("eager", "sdpa", "sdpa_varlen", "flash_attention_2")
+from recipes.qwen.qwen3_vl import QWEN3_VL_ATTENTION_BACKENDS as ATTENTION_BACKENDS  # flex refused at load time
 
 __all__ = ["ATTENTION_BACKENDS", "prepare_packed", "prepare_padded"]
 

@@ -147,14 +147,17 @@ def check_split_row_equivalence(case: EquivalenceCase, backends: list[str], work
 
 
 def check_split_training(recipe: str, run_dir: Path, split: tuple[int, int], reference: tuple[int, int],
-                         epochs: int = 1, split_overrides: tuple[str, ...] = (), tol: float = 1e-5) -> str:
+                         epochs: int = 1, split_overrides: tuple[str, ...] = (), tol: float = 1e-5,
+                         overrides: tuple[str, ...] = ()) -> str:
     """Real runs of ``recipe`` on mixed image / text-only data, (processes, CP size) ``split`` against
     ``reference``: the same steps and per-step counts (each row counted once), losses and final weights within
-    ``tol``, estimated == actual steps (``split_overrides``: more keys of the split run, e.g. FSDP2). Returns the
+    ``tol``, estimated == actual steps (``split_overrides``: more keys of the split run, e.g. FSDP2; ``overrides``:
+    of both runs; a MoE model's ``aux_loss`` and ``expert_load`` compared too). Returns the
     line with the measured differences. The reference is the session's (``cached_run``): checks of one recipe
     against the same reference share one run."""
     common = ["+packing=greedy", f"data.sources=[{shared_mixed_jsonl()}]", "data.shuffle=false",
-              "data.max_seq_len=320", f"train.epochs={epochs}", "train.micro_batch_size=1", "train.learning_rate=5e-3"]
+              "data.max_seq_len=320", f"train.epochs={epochs}", "train.micro_batch_size=1", "train.learning_rate=5e-3",
+              *overrides]
     train(recipe, run_dir / "split", [*common, f"train.context_parallel_size={split[1]}", *split_overrides],
           nproc=split[0])
     reference_dir = cached_run(recipe, [*common, f"train.context_parallel_size={reference[1]}"], nproc=reference[0])
@@ -162,7 +165,9 @@ def check_split_training(recipe: str, run_dir: Path, split: tuple[int, int], ref
     assert len(split_metrics) == len(reference_metrics) >= 2
     for key in ("samples", "effective_tokens", "supervised_tokens", "lr"):
         assert [m[key] for m in split_metrics] == [m[key] for m in reference_metrics], key
-    loss = max(abs(a["loss"] - b["loss"]) for a, b in zip(split_metrics, reference_metrics))
+    loss = max(abs(a[key] - b[key]) for a, b in zip(split_metrics, reference_metrics)
+               for key in ("loss", "aux_loss") if key in b)
+    assert [m.get("expert_load") for m in split_metrics] == [m.get("expert_load") for m in reference_metrics]
     weights = max_weight_difference(final_weights(run_dir / "split"), final_weights(reference_dir))
     summary = read_summary(run_dir / "split")
     assert summary["estimated_steps"] == summary["actual_steps"] == len(split_metrics)

@@ -164,6 +164,7 @@ class DistributedSuite(RecipeSuite):
     packing: str = "greedy"  # its packing (bfd: one whole epoch planned before the first step)
     sharded_freeze: tuple[str, ...] = ()  # model.freeze patterns (whole sharding units, or parts)
     shardings: tuple[str, ...] = ("fsdp2",)  # train.sharding values run against the one 1-rank reference
+    overrides: tuple[str, ...] = ()  # more keys of both runs (a MoE recipe: its load-balancing loss on)
     FEATURES = {"fsdp2": "FSDP2", "none": "DDP"}
     covers = ("FSDP2",)
 
@@ -190,7 +191,7 @@ class DistributedSuite(RecipeSuite):
         return [*kit.packing_overrides(self.packing), f"data.sources=[{kit.shared_mixed_jsonl()}]",
                 "data.shuffle=false", "data.max_seq_len=160", "train.epochs=2", "train.micro_batch_size=1",
                 "train.learning_rate=5e-3", "train.warmup_ratio=0.2", f"train.loss_reduction={self.reduction}",
-                f"model.pretrained={pretrained}", *freeze]
+                f"model.pretrained={pretrained}", *freeze, *self.overrides]
 
     @pytest.mark.slow
     @pytest.mark.launch
@@ -208,6 +209,9 @@ class DistributedSuite(RecipeSuite):
         assert abs(two[0]["loss"] - one[0]["loss"]) <= 1e-6  # a wrong or missing shard changes the first step
         assert max(abs(a["loss"] - b["loss"]) for a, b in zip(two, one)) <= 1e-5
         assert max(abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(two, one)) <= 1e-4
+        if "aux_loss" in one[0]:  # a MoE model's load-balancing term, counted over every rank's real tokens
+            assert max(abs(a["aux_loss"] - b["aux_loss"]) for a, b in zip(two, one)) <= 1e-5
+            assert [a["expert_load"] for a in two] == [b["expert_load"] for b in one]
         difference = kit.max_weight_difference(kit.final_weights(two_dir), kit.final_weights(one_dir))
         assert difference <= 1e-5, f"parameters differ by {difference}"
         summary = kit.read_summary(two_dir)
@@ -305,6 +309,7 @@ class ContextParallelSuite(RecipeSuite):
     row once (the engine's own tests run DP 2 x CP 2 on 4 processes: the mesh is the engine's, not a recipe's)."""
 
     covers = ("CP", "DDP")  # what it tests on its recipe (testkit.coverage)
+    overrides: tuple[str, ...] = ()  # more keys of both training runs (a MoE recipe: its load-balancing loss on)
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -323,5 +328,6 @@ class ContextParallelSuite(RecipeSuite):
     @pytest.mark.slow
     @pytest.mark.launch
     def test_cp2_trains_what_one_process_trains(self, tmp_path):
-        line = kit.check_split_training(self.recipe, tmp_path, split=(2, 2), reference=(1, 1))
+        line = kit.check_split_training(self.recipe, tmp_path, split=(2, 2), reference=(1, 1),
+                                        overrides=self.overrides)
         print(line)
