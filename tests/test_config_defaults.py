@@ -54,6 +54,7 @@ PER_RECIPE = {
     "qwen3_5": VIDEO_DEMO,
     "qwen3_5_moe": VIDEO_DEMO,
     "qwen3_vl": VIDEO_DEMO,
+    "qwen3_vl_moe": VIDEO_DEMO,
 }
 
 
