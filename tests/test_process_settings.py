@@ -63,3 +63,34 @@ def test_the_default_timeout_outlasts_torchs_nccl_default(accelerator_arguments)
     launch.build_accelerator("no", timeout_s=kit.compose_config(RECIPE).train.dist_timeout_s)
     (handler,) = accelerator_arguments[0]["kwargs_handlers"]
     assert handler.timeout >= timedelta(minutes=30)
+
+
+def _mesh_group_timeouts(rank: int, timeout_s: int | None) -> dict[str, float]:
+    """On a pooled rank of 2: the world's group waits 77 s; the timeout of each group the run's (DP, CP) mesh uses,
+    with CP = 2 (DP groups of one rank each: groups the mesh makes itself)."""
+    import torch.distributed as dist
+
+    from mvp_engine.engine.parallel import CP, DP, WORLD, build_layout
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=77))
+    try:
+        accelerator = type("Accelerator", (), {"num_processes": 2, "process_index": rank,
+                                               "device": torch.device("cpu")})()
+        mesh = build_layout(accelerator, 2, packed=True, timeout_s=timeout_s).mesh
+        return {name: mesh[name].get_group()._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+                for name in (DP, CP, WORLD)}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.launch
+def test_the_mesh_groups_wait_dist_timeout_s_too():
+    """``train.dist_timeout_s`` reaches the groups the device mesh makes for a dim that does not span the world (DP
+    here), which torch would otherwise create with its default (30 minutes on gloo, 10 on NCCL); a dim spanning the
+    world reuses the world's group and its timeout."""
+    from mvp_engine.engine.testkit.runs import run_on_ranks
+
+    for timeouts in run_on_ranks(2, _mesh_group_timeouts, 77):
+        assert timeouts == {"dp": 77, "cp": 77, "dp_cp": 77}
+    for timeouts in run_on_ranks(2, _mesh_group_timeouts, None):  # without it: torch's default on the DP groups
+        assert timeouts["dp"] == 1800 and timeouts["cp"] == 77

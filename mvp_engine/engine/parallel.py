@@ -20,6 +20,7 @@ import math
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -92,14 +93,32 @@ def plan_layout(world_size: int, cp_size: int, packed: bool) -> ParallelLayout:
     return ParallelLayout(world_size, 0, cp_size)
 
 
-def build_layout(accelerator, cp_size: int, packed: bool) -> ParallelLayout:
+def group_timeout_options(timeout_s: int):
+    """Process-group options carrying ``timeout_s`` for the mesh's own groups, of the world's backend. Why: a device
+    mesh makes the groups of a dim that does not span the world with ``new_group``, which, given no timeout, takes
+    torch's default (10 minutes on NCCL), not the world's ``train.dist_timeout_s``; the mesh reads the timeout from
+    these options (NCCL takes only its own options class, gloo ignores them but for the timeout)."""
+    if "nccl" in torch.distributed.get_backend():
+        options = torch.distributed.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = False
+    else:
+        options = torch.distributed.ProcessGroupGloo._Options()
+    options._timeout = timedelta(seconds=timeout_s)
+    return options
+
+
+def build_layout(accelerator, cp_size: int, packed: bool, timeout_s: int | None = None) -> ParallelLayout:
     """The run's layout and its one device mesh (every process takes part: call it at the same point on each); no
-    mesh in a process without a process group."""
+    mesh in a process without a process group. ``timeout_s`` (``train.dist_timeout_s``): how long the groups the
+    mesh makes wait, as the world group does (a dim spanning the world reuses the world's group)."""
     world, rank = accelerator.num_processes, accelerator.process_index
     check_layout(world, cp_size, packed)
     if world == 1 and not torch.distributed.is_initialized():
         return ParallelLayout(world, rank)
-    mesh = init_device_mesh(accelerator.device.type, (world // cp_size, cp_size), mesh_dim_names=(DP, CP))
+    shape = (world // cp_size, cp_size)
+    override = ({} if timeout_s is None else
+                {name: group_timeout_options(timeout_s) for name, size in zip((DP, CP), shape) if size != world})
+    mesh = init_device_mesh(accelerator.device.type, shape, mesh_dim_names=(DP, CP), backend_override=override or None)
     if cp_size == 1:
         return ParallelLayout(world, rank, mesh=mesh)
     mesh[DP, CP]._flatten(WORLD)  # a new process group (FSDP2's): made here, on every rank alike

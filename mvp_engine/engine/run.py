@@ -139,7 +139,8 @@ def _plan(cfg: DictConfig, recipe: Recipe, specs: RunSpecs, world_size: int) -> 
 def _assemble(cfg: DictConfig, recipe: Recipe, specs: RunSpecs, purpose: str) -> Run:
     training, train = purpose == "train", specs.train
     accelerator, output_dir = _start(specs, training)
-    layout = build_layout(accelerator, train.context_parallel_size, specs.data.packing is not None)
+    layout = build_layout(accelerator, train.context_parallel_size, specs.data.packing is not None,
+                          train.dist_timeout_s)
     identity = run_identity(recipe.name, specs) if training else None
     resume_from = _resume_point(train, output_dir, layout, identity, setting_defaults(specs)) if training else None
     if training:
