@@ -1,0 +1,312 @@
+"""Sharded data at scale: the measure pass of WebDataset tar shards on 1 and 2 ranks, the warm start, a projection.
+
+Why: web-scale corpora are hundreds to thousands of shards, and a start must measure each shard once, shared over
+the ranks, then start warm from the cache alone (issue 31). This measures exactly what a training start does with
+the DataKit: the engine's ``build_run_dataset`` (``MLLMDataKit.build_dataset``) with the ``qwen2_vl`` recipe's real
+encoder (``build_processor`` on ``conf/model/qwen2_vl_tiny.yaml``), then ``dataset.metas`` (the measure pass) and
+``dataset.estimate_total_steps`` (the plan).
+
+Data: ``--records`` records of ``tools/bench_data.py``'s seeded mix (82 % image QA, 15 % text only, 2 % multi-turn
+image chats, 1 % long image descriptions) written as ``--shards`` WebDataset tar shards: per record a ``.json``
+member (the record without its image path: its image is found by the member's extension and placed by its
+``<image>`` tag) and, for an image record, the image as a ``.jpg`` / ``.png`` member (``bench_data``'s generated
+images, 64 to 2048 pixels a side, flat colours, so small on disk). Written once per (records, shards, seed) into
+``--workdir`` and reused.
+
+Phases, each in fresh ``python`` processes started here (RSS numbers are each process's own), every rank with
+``data.measure_workers=1`` (one process per rank: the ranks are the parallelism measured):
+
+1. ``cold-1``: one rank (``WORLD_SIZE=1``) on an empty cache: the shards indexed, every record measured;
+2. ``cold-2``: two ranks at once (``RANK=0,1``, ``WORLD_SIZE=2``) on another empty cache: each measures the shards
+   it claims (``share.py``);
+3. ``warm``: one rank on the ``cold-2`` cache: nothing may be measured.
+
+Every process counts the records its encoder measured (``encoder.measure`` calls) and which shards they came
+from; the report checks that on each cold start every record was measured exactly once, every shard by one rank
+alone, and none on the warm start; each cache entry's ``done.json`` names the rank that wrote it. Then the
+projection to ``--project-records`` records on ``--project-ranks`` ranks, from the measured per-record cost of
+the 1-rank cold measure (per shard: that times the records per shard) and the 2-rank efficiency, and of the warm
+start from its per-shard cost.
+
+    python tools/bench_shards.py [--records 10000] [--shards 20] [--workdir DIR] [--json PATH]
+        [--project-records 100000000] [--project-ranks 64] [--project-shard-records 5000]
+
+The issue's scale is ``--records 2000000 --shards 400``: at about 3 ms of CPU a record for this encoder (more with
+other work on the cores) that is hours of cold measuring on this machine's two cores, so the default is 10 k
+records in 20 shards (a few minutes here). The warm start is run twice in its process: the repeat, without imports,
+gives the cost per shard the projection multiplies. Progress goes to stderr, the report to stdout, each process's
+output to ``<workdir>/logs``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+TOOL = Path(__file__).resolve()
+sys.path.insert(0, str(TOOL.parent.parent))  # run as a script: the repository root holds the ``tools`` package
+
+from tools import bench_data  # noqa: E402 - the path above first
+
+RECIPE = "qwen2_vl"
+SHARDS_FORMAT = 1  # bump when the shards written change: a reused --workdir then writes them again
+PROJECT_RECORDS = 100_000_000
+PROJECT_RANKS = 64
+PROJECT_SHARD_RECORDS = 5_000  # the issue's shards: 2 M records in 400
+
+
+# ------------------------------------------------------------------------------------------- synthetic shards
+
+
+def write_shards(folder: Path, records: int, shards: int, seed: int) -> str:
+    """``records`` records of ``bench_data``'s mix in ``shards`` tar shards (written once, reused); their brace
+    pattern."""
+    target = folder / f"shards-{records}-{shards}-seed{seed}-v{SHARDS_FORMAT}"
+    width = len(str(shards - 1))
+    pattern = str(target / f"shard-{{{0:0{width}d}..{shards - 1:0{width}d}}}.tar")
+    if (target / "done").is_file():
+        return pattern
+    shutil.rmtree(target, ignore_errors=True)
+    target.mkdir(parents=True)
+    images = bench_data.write_images(folder / "images", seed)
+    data = {name: (folder / "images" / name).read_bytes() for name in images}
+    lines = (line for chunk in range(-(-records // bench_data.CHUNK))
+             for line in bench_data.chunk_records(chunk, min(bench_data.CHUNK, records - chunk * bench_data.CHUNK),
+                                                  images, seed))
+    per_shard = -(-records // shards)
+    for s in range(shards):
+        with tarfile.open(target / f"shard-{s:0{width}d}.tar", "w") as tar:
+            for k in range(min(per_shard, records - s * per_shard)):
+                record = json.loads(next(lines))
+                key = f"{s * per_shard + k:09d}"
+                image = record.pop("image", None)
+                if image is not None:
+                    name = Path(image).name
+                    _add(tar, f"{key}{Path(name).suffix}", data[name])
+                _add(tar, f"{key}.json", json.dumps(record).encode())
+    (target / "done").write_text("")
+    return pattern
+
+
+def _add(tar: tarfile.TarFile, name: str, payload: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(payload)
+    tar.addfile(info, io.BytesIO(payload))
+
+
+# -------------------------------------------------------------------------------- inside a phase process
+
+
+def phase_main(spec_path: str) -> None:
+    """One rank's start: build the run's dataset, measure (counted), plan -> result JSON."""
+    spec = json.loads(Path(spec_path).read_text())
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    from mvp_engine.engine.config import compose_config, resolve_run_specs
+    from mvp_engine.engine.recipe import load_recipe
+    from mvp_engine.engine.run import build_run_dataset
+
+    recipe = load_recipe(RECIPE)
+    cfg = compose_config(RECIPE, ["+packing=greedy", f"data.max_seq_len={spec['max_seq_len']}",
+                                  f"data.sources=['{spec['source']}']", f"data.cache_dir='{spec['cache']}'",
+                                  "data.measure_workers=1"])
+    specs = resolve_run_specs(cfg, recipe.attention_backends)
+    encoder = recipe.build_encoder(recipe.build_processor(cfg.model))
+    measured: list[str] = []
+    measure = encoder.measure
+
+    def counted(record):
+        measured.append(record.origin)
+        return measure(record)
+
+    encoder.measure = counted
+    started = time.perf_counter()
+    dataset = build_run_dataset(specs, encoder, cost_profile=None, rank=rank, world_size=world_size)
+    opened = time.perf_counter()
+    _ = dataset.metas
+    done = time.perf_counter()
+    packs = len(dataset.plan(0).packs)
+    planned = time.perf_counter()
+    again_s = None
+    if spec["again"]:  # the same start once more in this process: the warm start's cost without imports
+        again = time.perf_counter()
+        _ = build_run_dataset(specs, encoder, cost_profile=None, rank=rank, world_size=world_size).metas
+        again_s = time.perf_counter() - again
+    shards = sorted({origin.split("#")[0] for origin in measured})
+    Path(spec["result"]).write_text(json.dumps({
+        "rank": rank, "world_size": world_size, "started_at": time.time() - (planned - started),
+        "open_s": opened - started, "measure_s": done - opened, "plan_s": planned - done,
+        "start_s": planned - started, "records": len(dataset.records), "measured": len(measured),
+        "measured_distinct": len(set(measured)), "shards_measured": shards,
+        "per_shard_counts": {s: sum(o.startswith(s + "#") for o in measured) for s in shards},
+        "packs": packs, "again_s": again_s, "bad_records": dataset.bad_records.count,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "anon_bytes": bench_data.anon_bytes()}))
+
+
+# ------------------------------------------------------------------------------------------------ the parent
+
+
+def progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def run_ranks(name: str, ranks: int, source: str, cache: Path, workdir: Path, args: argparse.Namespace
+              ) -> list[dict]:
+    """``ranks`` phase processes at once (``RANK``, ``WORLD_SIZE`` set); each one's result, or ``{"error": ...}``."""
+    (workdir / "logs").mkdir(parents=True, exist_ok=True)
+    (workdir / "phases").mkdir(exist_ok=True)
+    children = []
+    started = time.perf_counter()
+    for rank in range(ranks):
+        spec = {"source": source, "cache": str(cache), "max_seq_len": args.max_seq_len, "again": name == "warm",
+                "result": str(workdir / "phases" / f"{name}-{rank}.result.json")}
+        spec_path = workdir / "phases" / f"{name}-{rank}.json"
+        spec_path.write_text(json.dumps(spec))
+        Path(spec["result"]).unlink(missing_ok=True)
+        log = (workdir / "logs" / f"{name}-{rank}.log").open("w")
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(ranks), "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
+        children.append((subprocess.Popen([sys.executable, str(TOOL), "--phase", str(spec_path)], stdout=log,
+                                          stderr=subprocess.STDOUT, env=env), spec, log))
+    results = []
+    for process, spec, log in children:
+        code = process.wait()
+        log.close()
+        if code == 0 and Path(spec["result"]).exists():
+            results.append({**json.loads(Path(spec["result"]).read_text()), "process_s": time.perf_counter() - started})
+        else:
+            results.append({"error": f"exit code {code} (log {log.name})"})
+    progress(f"{name}: done in {time.perf_counter() - started:.1f} s")
+    return results
+
+
+def entries_by_rank(cache: Path) -> dict[str, int]:
+    """Measure cache entries per rank that wrote them (``done.json``'s ``measured_by``)."""
+    counts: dict[str, int] = {}
+    for done in (cache / "measure").glob("*/done.json"):
+        rank = str(json.loads(done.read_text()).get("measured_by", {}).get("rank"))
+        counts[rank] = counts.get(rank, 0) + 1
+    return counts
+
+
+def check_once(results: list[dict], records: int, shards: int) -> dict:
+    """Every record measured exactly once over the ranks, every shard whole by one rank."""
+    measured = sum(r["measured"] for r in results)
+    distinct = sum(r["measured_distinct"] for r in results)
+    owners = [s for r in results for s in r["shards_measured"]]
+    ok = measured == distinct == records and len(owners) == len(set(owners)) == shards
+    return {"ok": ok, "measured": measured, "records": records, "shards_measured": len(owners),
+            "shards": shards, "shards_per_rank": [len(r["shards_measured"]) for r in results]}
+
+
+def report(args: argparse.Namespace, cold1: list[dict], cold2: list[dict], warm: list[dict], entries: dict,
+           write_s: float) -> dict:
+    failed = [r["error"] for r in (*cold1, *cold2, *warm) if "error" in r]
+    if failed:
+        return {"error": failed}
+    one, [w] = cold1[0], warm
+    records, shards = args.records, args.shards
+    two_wall = max(r["started_at"] + r["start_s"] for r in cold2) - min(r["started_at"] for r in cold2)
+    two_measure = max(r["measure_s"] for r in cold2)
+    per_record = one["measure_s"] / records
+    efficiency = one["measure_s"] / two_measure / 2
+    project_shards = args.project_records / args.project_shard_records
+    per_shard_warm = w["again_s"] / shards  # a warm start's cost per shard, imports and fixed costs aside
+    projection = {
+        "per_record_ms": 1e3 * per_record, "per_shard_s": per_record * records / shards,
+        "two_rank_efficiency": efficiency,
+        "cold_measure_h_ideal": args.project_records * per_record / args.project_ranks / 3600,
+        "cold_measure_h_at_measured_efficiency": args.project_records * per_record / args.project_ranks
+        / min(1.0, efficiency) / 3600,
+        "warm_start_s": w["start_s"] - w["again_s"] + per_shard_warm * project_shards, "shards": project_shards,
+        "warm_per_shard_ms": 1e3 * per_shard_warm}
+    rows = [("cold, 1 rank", one["start_s"], one["open_s"], one["measure_s"], records / one["measure_s"],
+             one["peak_rss_bytes"], f"{len(one['shards_measured'])} shards, {one['measured']} records"),
+            *[(f"cold, 2 ranks: rank {r['rank']}", r["start_s"], r["open_s"], r["measure_s"],
+               r["measured"] / r["measure_s"] if r["measure_s"] else 0.0, r["peak_rss_bytes"],
+               f"{len(r['shards_measured'])} shards, {r['measured']} records") for r in cold2],
+            ("cold, 2 ranks together", two_wall, max(r["open_s"] for r in cold2), two_measure,
+             records / two_measure, max(r["peak_rss_bytes"] for r in cold2), f"entries by rank {entries}"),
+            ("warm, 1 rank", w["start_s"], w["open_s"], w["measure_s"], 0.0, w["peak_rss_bytes"],
+             f"{w['measured']} records measured")]
+    lines = [f"{records:,} records in {shards} WebDataset shards ({records // shards:,} a shard), recipe {RECIPE}, "
+             f"max_seq_len {args.max_seq_len}; shards written in {write_s:.1f} s; load average at the end "
+             f"{os.getloadavg()[0]:.2f} (2 cores, shared)",
+             "| phase | start s | open s | measure s | records/s | peak RSS MiB | measured |",
+             "|---|---|---|---|---|---|---|",
+             *[f"| {name} | {start:.1f} | {opened:.1f} | {measure:.1f} | {rate:,.0f} | {rss / 2**20:,.0f} | {what} |"
+               for name, start, opened, measure, rate, rss, what in rows],
+             f"2 ranks vs 1: measure {one['measure_s'] / two_measure:.2f}x faster (efficiency {efficiency:.0%}); "
+             f"rank shares {[len(r['shards_measured']) for r in cold2]} shards",
+             f"projection to {args.project_records:,} records ({project_shards:,.0f} shards of "
+             f"{args.project_shard_records:,}) on {args.project_ranks} ranks, one measuring process each: "
+             f"{projection['per_record_ms']:.2f} ms a record measured; cold measure "
+             f"{projection['cold_measure_h_ideal']:.2f} h at full efficiency, "
+             f"{projection['cold_measure_h_at_measured_efficiency']:.2f} h at the measured 2-rank efficiency; "
+             f"warm start {projection['warm_start_s']:.0f} s (this warm start's fixed part plus "
+             f"{projection['warm_per_shard_ms']:.0f} ms a shard, its repeat's cost per shard of {records // shards:,} "
+             "records, times the shards)"]
+    checks = {"cold_1": check_once(cold1, records, shards), "cold_2": check_once(cold2, records, shards),
+              "warm_measured_none": w["measured"] == 0,
+              "same_packs": len({r["packs"] for r in (*cold1, *cold2, *warm)}) == 1}
+    lines.append(f"checks: each record measured once on 1 rank {checks['cold_1']['ok']}, on 2 ranks "
+                 f"{checks['cold_2']['ok']}; warm start measured none {checks['warm_measured_none']}; every start "
+                 f"planned the same packs {checks['same_packs']}")
+    print("\n".join(lines))
+    return {"lines": lines, "projection": projection, "checks": checks, "cold_1": cold1, "cold_2": cold2,
+            "warm": warm}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--records", type=int, default=10_000)
+    parser.add_argument("--shards", type=int, default=20)
+    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--max-seq-len", type=int, default=4096)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--project-records", type=int, default=PROJECT_RECORDS)
+    parser.add_argument("--project-ranks", type=int, default=PROJECT_RANKS)
+    parser.add_argument("--project-shard-records", type=int, default=PROJECT_SHARD_RECORDS)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--phase", default=None, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    args = parse_args(argv)
+    if args.phase:
+        phase_main(args.phase)
+        return None
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench_shards-"))
+    try:
+        started = time.perf_counter()
+        source = write_shards(workdir, args.records, args.shards, args.seed)
+        write_s = time.perf_counter() - started
+        progress(f"shards: {source} ({write_s:.1f} s)")
+        caches = {name: workdir / "caches" / name for name in ("cold-1", "cold-2")}
+        for cache in caches.values():
+            shutil.rmtree(cache, ignore_errors=True)
+        cold1 = run_ranks("cold-1", 1, source, caches["cold-1"], workdir, args)
+        cold2 = run_ranks("cold-2", 2, source, caches["cold-2"], workdir, args)
+        entries = entries_by_rank(caches["cold-2"])
+        warm = run_ranks("warm", 1, source, caches["cold-2"], workdir, args)
+        result = report(args, cold1, cold2, warm, entries, write_s)
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1))
+        return result
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
