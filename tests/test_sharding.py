@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import mvp_engine.engine.testing as kit
 from mvp_engine.engine.config import ConfigError, TrainSpec
 from mvp_engine.engine.entry import run_recipe
-from mvp_engine.engine.sharding import clip_grad_norm_, shard_model
+from mvp_engine.engine.sharding import clip_grad_norm_, offloaded, shard_model
 from mvp_engine.engine.train_step import TrainStep, optimizer_and_schedule
 
 
@@ -129,3 +129,25 @@ def test_grad_sync_last_turns_fsdp2_gradient_sync_off_until_a_step_s_last_micro_
     group = [{"input_ids": row, "labels": row, "pack_segment_ids": torch.zeros_like(row)} for row in ids]
     loss, grad_norm, _ = step(group, model, *optimizer_and_schedule(model, train, 1))
     assert seen == calls and math.isfinite(loss) and grad_norm > 0
+
+
+def test_offloaded_shards_carry_the_host_policy_and_train_as_shards_on_the_device(one_process_group):
+    """``train.offload=params`` hands every unit FSDP2's CPUOffloadPolicy (pinned memory only where CUDA is there);
+    one step from the same weights leaves the same weights (2 ranks: tests/test_distributed_matrix.py)."""
+    weights = []
+    for offload in ("none", "params"):
+        torch.manual_seed(0)
+        model = shard_model(_TinyLM(), "no", init_device_mesh("cpu", (1,)), offload)
+        assert offloaded(model) == (offload == "params")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        ids = torch.arange(12).reshape(2, 6) % 16
+        model(ids).logits.square().mean().backward()
+        optimizer.step()
+        weights.append([p.full_tensor().detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*weights))
+
+
+def test_offload_without_fsdp2_is_refused_with_one_line():
+    with pytest.raises(ConfigError, match=r"^train.offload='params' offloads FSDP2's shards: set "
+                                          r"train.sharding=fsdp2$"):
+        TrainSpec(offload="params")

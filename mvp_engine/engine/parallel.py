@@ -165,7 +165,7 @@ def parallelize(model, layout: ParallelLayout, train: TrainSpec, recipe=None, ac
         # torch's fully_shard, not accelerator.prepare: accelerate 1.15 ignores its FSDP2 plugin on a CPU machine
         # and wraps the model in DDP (sharding.py); the optimizer is built over the shards
         full = model.state_dict() if weights_from_rank0 and accelerator.is_main_process else {}
-        model = shard_model(model, train.mixed_precision, layout.world_mesh)
+        model = shard_model(model, train.mixed_precision, layout.world_mesh, train.offload)
         if weights_from_rank0:
             load_full_state_dict(model, full)
     else:

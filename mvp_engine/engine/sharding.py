@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     set_model_state_dict,
 )
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from mvp_engine.packing.collective_device import collective_device
@@ -47,9 +47,20 @@ def sharding_units(model: torch.nn.Module) -> list[torch.nn.Module]:
     return units[::-1]
 
 
-def shard_model(model: torch.nn.Module, mixed_precision: str, mesh=None) -> torch.nn.Module:
+def offload_policy(offload: str) -> OffloadPolicy:
+    """``train.offload`` under FSDP2: ``params`` keeps every shard, its gradient and (since the optimizer is built
+    over the shards) the optimizer state in host memory, copying each unit to the device for its forward and
+    backward and running the optimizer step on the host (pinned host memory where CUDA is there to copy to);
+    ``none``: all on the device."""
+    if offload == "params":
+        return CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    return OffloadPolicy()
+
+
+def shard_model(model: torch.nn.Module, mixed_precision: str, mesh=None, offload: str = "none") -> torch.nn.Module:
     """Shard ``model`` in place over ``mesh``, a one-dim device mesh (a run's is its layout's ``world_mesh``:
-    ``parallel.py`` owns the one mesh, so a second one built here could not line up with its dims), and return it.
+    ``parallel.py`` owns the one mesh, so a second one built here could not line up with its dims), and return it;
+    ``offload`` (``train.offload``): :func:`offload_policy`.
 
     Parameters become ``DTensor`` shards: build the optimizer after this call."""
     if not torch.distributed.is_initialized():
@@ -59,10 +70,10 @@ def shard_model(model: torch.nn.Module, mixed_precision: str, mesh=None) -> torc
     if mesh is None:
         raise ValueError("shard_model needs the device mesh to shard over (the run's: ParallelLayout.world_mesh)")
     # fully_shard moves the shards onto the mesh's device (the current CUDA device, as the launcher set it)
-    policy = mixed_precision_policy(mixed_precision)
+    policy, host = mixed_precision_policy(mixed_precision), offload_policy(offload)
     for unit in units:
-        fully_shard(unit, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(unit, mesh=mesh, mp_policy=policy, offload_policy=host)
+    fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=host)
     return model
 
 
@@ -70,8 +81,16 @@ def describe_sharding(model: torch.nn.Module) -> str:
     """The start-of-run line: what this rank really holds."""
     local = sum(_local(p).numel() for p in model.parameters())
     total = sum(p.numel() for p in model.parameters())
+    where = ", offloaded to host memory with their gradients and optimizer state" if offloaded(model) else ""
     return (f"sharding: fsdp2 over {torch.distributed.get_world_size()} ranks, this rank holds {local:,} of "
-            f"{total:,} parameter elements")
+            f"{total:,} parameter elements{where}")
+
+
+def offloaded(model: torch.nn.Module) -> bool:
+    """Whether FSDP2 keeps ``model``'s shards on the host (``train.offload=params``)."""
+    state = model._get_fsdp_state() if isinstance(model, FSDPModule) else None
+    group = getattr(state, "_fsdp_param_group", None)
+    return isinstance(getattr(group, "offload_policy", None), CPUOffloadPolicy)
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
