@@ -48,6 +48,7 @@ SHARDINGS = ("none", "fsdp2")  # train.sharding (mvp_engine.engine.sharding)
 OFFLOADS = ("none", "params")
 # model.quantization: the base's linear layers in 4-bit NF4 or 8-bit (bitsandbytes) under LoRA adapters (quantize.py)
 QUANTIZATIONS = ("none", "nf4", "int8")
+OBJECTIVES = ("sft", "dpo")  # train.objective: dpo trains on preference pairs (preference.py)
 # train.router_aux_loss_scope: over what the load-balancing loss's expert fractions are counted (router_balance.py)
 ROUTER_AUX_SCOPES = ("step", "micro_batch")
 # The Hydra config root: conf/<recipe>.yaml is each recipe's primary config.
@@ -73,6 +74,7 @@ class TrainSpec:
     max_grad_norm: float = 1.0
     loss_reduction: str = "token"
     loss_impl: str = "chunked"  # chunked or full (LOSS_IMPLS)
+    objective: str = "sft"  # sft, or dpo: preference pairs and the dpo.* losses (preference.py)
     loss_chunk_tokens: int = 512  # positions the chunked loss projects at once: its peak is ~8 bytes x this x vocab
     drop_last: bool = False
     pad_to_multiple_of: int | None = None  # null: the longest row; flex_attention: a few widths (row_widths.py)
@@ -159,6 +161,8 @@ class TrainSpec:
         workers = self.num_workers
         if workers != AUTO_WORKERS and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 0):
             raise ConfigError(f"train.num_workers={workers!r} is invalid: allowed {AUTO_WORKERS!r} or an int >= 0")
+        if self.objective not in OBJECTIVES:
+            raise ConfigError(f"train.objective={self.objective!r} is invalid: allowed one of {list(OBJECTIVES)}")
         if self.grad_sync not in GRAD_SYNCS:
             raise ConfigError(f"train.grad_sync={self.grad_sync!r} is invalid: allowed one of {list(GRAD_SYNCS)}")
         if self.offload not in OFFLOADS:
@@ -318,6 +322,9 @@ def register_configs() -> None:
     cs.store(group="demo", name="demo_schema", node=DemoSpec)
     cs.store(group="data", name="data_schema", node=schema_without(MLLMDataSpec, "packing"))
     cs.store(group="model/lora", name="lora_schema", node=LoraSpec)
+    from .preference import PreferenceSpec  # here, not at the top: preference.py reads this module's specs
+
+    cs.store(group="dpo", name="dpo_schema", node=PreferenceSpec)
 
 
 def compose_config(config_name: str, overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:

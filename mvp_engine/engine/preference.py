@@ -34,10 +34,11 @@ import torch
 import torch.nn.functional as F
 
 from mvp_engine.kit.mllm.data import IGNORE_INDEX
-from mvp_engine.kit.mllm.data.pairs import BRANCH_FIELD, CHOSEN, REJECTED
-from mvp_engine.packing import unwrap_model
+from mvp_engine.kit.mllm.data.pairs import BRANCH_FIELD, CHOSEN, REJECTED, PairEncoder, PreferenceRecord
+from mvp_engine.kit.mllm.data.preference_sources import read_preference_records
+from mvp_engine.packing import takes_varlen_kwargs, unwrap_model
 
-from .config import ConfigError
+from .config import ConfigError, RunSpecs, _to_object
 from .linear_loss import CHUNK_TOKENS, HeadInputs
 from .loss import WeightedTokenLoss
 
@@ -234,3 +235,53 @@ class PreferenceObjective:
         self._totals = torch.zeros_like(self._totals)
         pairs = float(totals[-1])
         return {name: float(value) / max(pairs, 1.0) for name, value in zip(METRICS, totals[:-1].tolist())}
+
+
+# --- a run's parts under train.objective=dpo (run.py) ----------------------------------------------------------
+
+
+def preference_spec(cfg, specs: RunSpecs) -> PreferenceSpec | None:
+    """The validated ``dpo.*`` of a run whose ``train.objective`` is dpo (None under sft); one line for what such a
+    run cannot do yet: unpacked pairs, context parallelism, evaluation sets."""
+    if specs.train.objective != "dpo":
+        return None
+    spec = _to_object(cfg.dpo, PreferenceSpec, "dpo") if cfg.get("dpo") is not None else PreferenceSpec()
+    if specs.data.packing is None:
+        raise ConfigError("train.objective=dpo packs each pair as one item: add +packing=greedy (or bfd)")
+    if specs.train.context_parallel_size != 1:
+        raise ConfigError("train.objective=dpo with train.context_parallel_size > 1 is not supported yet")
+    if specs.data.eval_sources:
+        raise ConfigError("train.objective=dpo does not evaluate data.eval_sources yet: leave it empty")
+    if takes_varlen_kwargs(specs.attention):
+        if str(cfg.attention.implementation) != "auto":
+            raise ConfigError(f"attention.implementation={specs.attention} cannot keep a pair's two answers apart "
+                              "(varlen kernels take one causal span per segment): use sdpa, eager or flex_attention")
+        specs.attention, specs.attention_why = "sdpa", "train.objective=dpo: pairs need a mask, not varlen spans"
+    return spec
+
+
+def read_pairs(specs: RunSpecs, on_bad: Callable | None = None) -> list[PreferenceRecord]:
+    """Every pair of the run's sources (``data.sources``: preference files, ``preference_sources``)."""
+    data = specs.data
+    return [pair for source in data.source_entries()
+            for pair in read_preference_records(source.path, source.image_root or data.image_root, on_bad=on_bad,
+                                                max_record_bytes=data.max_record_bytes, media_roots=data.media_roots)]
+
+
+def pair_dataset(specs: RunSpecs, spec: PreferenceSpec, encoder, build: Callable):
+    """The run's dataset over its pairs: ``build(encoder, records)`` (``run.build_run_dataset``) with the recipe's
+    encoder wrapped in a :class:`PairEncoder`; pairs the reader refused are the dataset's bad records (stage
+    ``read``), or stop the run under ``data.on_bad_record=error``."""
+    refused = []
+    pairs = read_pairs(specs, refused.append if specs.data.on_bad_record == "skip" else None)
+    dataset = build(PairEncoder(encoder, spec.shared_prefix), pairs)
+    for err in refused:
+        dataset.bad_records.add_error(err, "read")
+    dataset.bad_records.records_read = len(pairs) + len(refused)
+    return dataset
+
+
+def build_objective(spec: PreferenceSpec, model, device) -> PreferenceObjective:
+    """The step's objective; under ``dpo.reference=copy`` with a frozen copy of ``model`` as it starts."""
+    copy_needed = spec.needs_reference and spec.reference == "copy"
+    return PreferenceObjective(spec, frozen_copy(model).to(device) if copy_needed else None)

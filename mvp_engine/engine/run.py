@@ -43,6 +43,7 @@ from .launch import build_accelerator, use_deterministic
 from .model_folder import check_model_folder
 from .parallel import ParallelLayout, build_layout, parallelize, plan_layout
 from .participation import ParameterReport, media_kinds
+from .preference import build_objective, pair_dataset, preference_spec
 from .recipe import Recipe
 from .router_balance import build_router_balance
 from .row_widths import run_collator
@@ -138,6 +139,7 @@ def _plan(cfg: DictConfig, recipe: Recipe, specs: RunSpecs, world_size: int) -> 
 
 def _assemble(cfg: DictConfig, recipe: Recipe, specs: RunSpecs, purpose: str) -> Run:
     training, train = purpose == "train", specs.train
+    preference = preference_spec(cfg, specs) if training else None  # train.objective=dpo
     accelerator, output_dir = _start(specs, training)
     layout = build_layout(accelerator, train.context_parallel_size, specs.data.packing is not None,
                           train.dist_timeout_s)
@@ -165,13 +167,18 @@ def _assemble(cfg: DictConfig, recipe: Recipe, specs: RunSpecs, purpose: str) ->
     if training:
         # FLOPs per unit of work of this model as it trains: the per-step FLOPs and MFU, and packing.balance=compute
         run.cost_profile = recipe_cost_profile(recipe, model)
-        run.dataset = build_run_dataset(specs, encoder, run.cost_profile, layout.dp_rank, layout.dp_size)
+        if preference is None:
+            run.dataset = build_run_dataset(specs, encoder, run.cost_profile, layout.dp_rank, layout.dp_size)
+        else:  # train.objective=dpo: the sources hold preference pairs, one packing item each
+            run.dataset = pair_dataset(specs, preference, encoder, lambda pair_encoder, pairs: build_run_dataset(
+                specs, pair_encoder, run.cost_profile, layout.dp_rank, layout.dp_size, records=pairs))
     # packed metadata (positions, M-RoPE included, cu_seqlens, spans) computed where the batches are collated, on the
     # CPU in the loader's workers, so the step reads no device value back to build its kwargs
     run.collator = run_collator(recipe.pad_token_id(processor), specs, layout.cp_size,
                                 recipe.packed_metadata(model) if run.packed else None)
     run.step = TrainStep(accelerator, recipe.prepare_packed if run.packed else recipe.prepare_padded, specs.attention,
-                         run.dummy_media, train, run.media_kinds, layout.shard, balance)
+                         run.dummy_media, train, run.media_kinds, layout.shard, balance,
+                         build_objective(preference, model, accelerator.device) if preference is not None else None)
     if training:
         run.total_steps = run.dataset.estimate_total_steps(train.epochs)
         refuse_without_steps(run.dataset, run.total_steps)

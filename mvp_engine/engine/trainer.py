@@ -300,6 +300,9 @@ class Trainer:
                              self.accelerator.num_processes, self.peak_tflops)
         if self.train_step.balance is not None:  # aux_loss and expert_load, over every rank
             record.update(self.train_step.balance.step_metrics())
+        if self.train_step.objective is not None:  # train.objective=dpo: rewards, margin, accuracy over every rank
+            record.update(self.train_step.objective.step_metrics(
+                lambda totals: self.accelerator.reduce(totals.to(self.accelerator.device), reduction="sum")))
         if record["step"] % self.specs.train.log_every == 0:
             record["source_token_shares"] = token_shares(session.progress.sources)
         if timing is not None:

@@ -8,6 +8,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from ..config import DemoSpec, demo_spec
+from .pairs import write_demo_pairs
 from .writer import write_demo_dataset
 
 
@@ -21,7 +22,10 @@ def with_demo_data(cfg: DictConfig) -> DictConfig:
     if not demo.enabled:
         return cfg
     cfg = copy.deepcopy(cfg)
-    cfg.data.sources = [str(write_demo_dataset(demo_dir(demo), demo.num_samples, demo.seed, videos=demo.videos))]
+    demo_set = write_demo_dataset(demo_dir(demo), demo.num_samples, demo.seed, videos=demo.videos)
+    if cfg.get("train") is not None and cfg.train.get("objective") == "dpo":
+        demo_set = write_demo_pairs(demo_set)  # the same conversations as preference pairs
+    cfg.data.sources = [str(demo_set)]
     return cfg
 
 
