@@ -1,4 +1,5 @@
-"""Mixture-of-experts layers: choosing how their experts compute, refused in one line where that cannot run.
+"""Mixture-of-experts layers: choosing how their experts compute (refused in one line where that cannot run), and
+keeping the model's own load-balancing loss out of packed forwards.
 
 transformers 5.24 keeps a MoE layer's experts as 3-D parameters (``gate_up_proj [E, 2I, H]``, ``down_proj
 [E, H, I]``) behind an ``experts_implementation`` switch (``integrations/moe.py``): ``eager`` loops over the experts
@@ -12,9 +13,18 @@ packed and one-by-one forwards route and compute the same (a token's expert outp
 ``model.experts_implementation`` key: transformers' own ``set_experts_implementation`` (fresh and pretrained models
 alike) after checks that name the key, so a run that cannot compute its experts stops before the first step rather
 than at the first forward or inside a kernel.
+
+:func:`without_model_aux_loss` wraps a recipe's ``prepare_packed`` / ``prepare_padded`` so every forward passes
+``output_router_logits=False``: with it on (a checkpoint's config may set it) transformers' MoE models record every
+router's logits and form their own load-balancing loss over the forward's rows, a packed row's padding included (no
+``attention_mask`` reaches them under packing; the 4-D block mask of eager / sdpa cannot go through it at all). The
+engine forms that loss itself over the optimizer step's real tokens (``router_balance``).
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
 
 import torch
 
@@ -69,3 +79,16 @@ def set_experts_implementation(model, name: str | None, cuda: bool | None = None
     check_experts_implementation(model, str(name), cuda)
     model.set_experts_implementation(str(name))
     return model
+
+
+NO_MODEL_AUX = {"output_router_logits": False}
+
+
+def without_model_aux_loss(prepare: Callable[..., dict]) -> Callable[..., dict]:
+    """``prepare(batch, model, attn_implementation)`` whose kwargs also switch the model's own aux loss off."""
+
+    @functools.wraps(prepare)
+    def prepare_without_model_aux(batch: dict, model, attn_implementation: str) -> dict:
+        return {**prepare(batch, model, attn_implementation), **NO_MODEL_AUX}
+
+    return prepare_without_model_aux

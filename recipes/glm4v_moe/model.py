@@ -14,6 +14,13 @@ images and clips scatters each feature onto its own token), with GLM-4.5V's weig
 The default is a tiny, seeded, random init from ``conf/model/glm4v_moe_tiny.yaml`` (one dense and one MoE layer, 4
 experts in 2 groups, top-2); ``pretrained=<dir>`` loads a ``save_pretrained`` folder. The experts compute with
 ``model.experts_implementation`` (``mvp_engine.engine.experts``).
+
+Routers (:func:`moe_routers`, the engine's ``router_balance``): the ``Glm4vMoeTextTopkRouter`` modules, the
+coefficient ``router_aux_loss_coef`` where the config's ``output_router_logits`` is on (GLM-4.5V's: 0.0001, off by
+default), read as GLM routes (:func:`sigmoid_routing`): the experts each token really ran (group-limited, steered by
+the correction bias) and the per-token normalised sigmoid scores, DeepSeek-V3's balance-loss form. transformers'
+own aux loss for this model (``load_balancing_loss_func``) takes a softmax top-k of the router logits, which are not
+the experts the tokens ran; the engine sums the statistics over the optimizer step's real tokens either way.
 """
 
 from __future__ import annotations
@@ -22,13 +29,14 @@ from collections.abc import Mapping
 
 import torch
 from transformers import Glm4vMoeConfig, Glm4vMoeForConditionalGeneration
-from transformers.models.glm4v_moe.modeling_glm4v_moe import Glm4vMoeModel, Glm4vMoePreTrainedModel
+from transformers.models.glm4v_moe.modeling_glm4v_moe import Glm4vMoeModel, Glm4vMoePreTrainedModel, Glm4vMoeTextModel
 
 from mvp_engine.engine.builders import to_plain
 from mvp_engine.engine.experts import set_experts_implementation
+from mvp_engine.engine.router_balance import Routers, recorded_routers
 from recipes.glm4v.model import MixedMediaPlaceholders, build_glm_model, build_processor, cost_profile, dummy_media
 
-__all__ = ["MODEL_TYPES", "build_model", "build_processor", "cost_profile", "dummy_media"]
+__all__ = ["MODEL_TYPES", "build_model", "build_processor", "cost_profile", "dummy_media", "moe_routers"]
 
 # the config.json model_type of a model.pretrained folder this recipe trains (Recipe.model_types)
 MODEL_TYPES = (Glm4vMoeConfig.model_type,)
@@ -62,3 +70,18 @@ def build_model(model_cfg: Mapping | None, attn_implementation: str = "sdpa"):
     model = build_glm_model(Glm4vMoeMixedMediaForConditionalGeneration, Glm4vMoeConfig, model_cfg,
                             attn_implementation)
     return set_experts_implementation(model, (to_plain(model_cfg) or {}).get("experts_implementation"))
+
+
+def sigmoid_routing(output, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ``Glm4vMoeTextTopkRouter`` output ``(logits, weights, chosen)`` as the balance loss reads it: each token's
+    sigmoid scores normalised to sum 1 (fp32, in the graph) and the ``top_k`` experts the router chose."""
+    logits, _, chosen = output
+    scores = logits.float().sigmoid()
+    return scores / scores.sum(-1, keepdim=True), chosen
+
+
+def moe_routers(model) -> Routers | None:
+    """The routers of the model's language model (``Glm4vMoeTextModel`` declares the recorder, the conditional
+    generation class does not), read by :func:`sigmoid_routing`."""
+    text = next((m for m in model.modules() if isinstance(m, Glm4vMoeTextModel)), None)
+    return None if text is None else recorded_routers(text, read=sigmoid_routing)

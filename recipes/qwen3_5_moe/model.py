@@ -11,6 +11,11 @@ The default is a tiny, seeded, random init from ``conf/model/qwen3_5_moe_tiny.ya
 full-attention layer, 4 experts, top-2); ``pretrained=<dir>`` loads a ``save_pretrained`` folder. The experts compute
 with ``model.experts_implementation`` (``mvp_engine.engine.experts``; ``grouped_mm``, transformers' default, runs on
 this CPU in fp32).
+
+Routers: ``moe_routers`` is the engine's reading of what the model declares (``router_balance.recorded_routers``: the
+``Qwen3_5MoeTopKRouter`` modules, softmax top-k as the model routes, E and k, the config's ``router_aux_loss_coef``
+where ``output_router_logits`` is on): the engine forms the load-balancing loss over the optimizer step's real
+tokens.
 """
 
 from __future__ import annotations
@@ -22,10 +27,11 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeGated
 
 from mvp_engine.engine.builders import to_plain
 from mvp_engine.engine.experts import set_experts_implementation
+from mvp_engine.engine.router_balance import recorded_routers
 from recipes.qwen import build_hybrid_model
 from recipes.qwen3_5.model import DEFAULT_TOKENIZER_DIR, build_processor, cost_profile, dummy_media
 
-__all__ = ["MODEL_TYPES", "build_model", "build_processor", "cost_profile", "dummy_media"]
+__all__ = ["MODEL_TYPES", "build_model", "build_processor", "cost_profile", "dummy_media", "moe_routers"]
 
 # the config.json model_type of a model.pretrained folder this recipe trains (Recipe.model_types)
 MODEL_TYPES = (Qwen3_5MoeConfig.model_type,)
@@ -40,3 +46,6 @@ def build_model(model_cfg: Mapping | None, attn_implementation: str = "sdpa") ->
     model = build_hybrid_model(Qwen3_5MoeForConditionalGeneration, Qwen3_5MoeConfig, LINEAR_ATTENTION_LAYERS,
                                model_cfg, attn_implementation, DEFAULT_TOKENIZER_DIR)
     return set_experts_implementation(model, (to_plain(model_cfg) or {}).get("experts_implementation"))
+
+
+moe_routers = recorded_routers

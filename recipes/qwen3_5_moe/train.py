@@ -1,16 +1,14 @@
 """Train Qwen3.5-MoE: ``python -m recipes.qwen3_5_moe.train +packing=greedy`` (no ``+packing``: padded baseline).
 
-Packed inputs are Qwen3.5's own module (``recipes.qwen3_5.packed``): the same positions, masks and linear-attention
-boundaries, the same backends (transformers 5.24 declares no flex_attention for Qwen3.5-MoE either)."""
+Packed inputs are Qwen3.5's with the model's own aux loss off (``packed.py``)."""
 
 from __future__ import annotations
 
 from mvp_engine.engine.entry import hydra_main
 from mvp_engine.engine.recipe import Recipe
 from recipes.qwen import Qwen3SampleEncoder
-from recipes.qwen3_5 import packed
 
-from . import model
+from . import model, packed
 
 RECIPE = Recipe.from_modules("qwen3_5_moe", model=model, packed=packed, encoder=Qwen3SampleEncoder)
 main = hydra_main(RECIPE)

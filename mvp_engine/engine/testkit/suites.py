@@ -73,16 +73,18 @@ class StructureSuite(RecipeSuite):
 
 class SmokeSuite(RecipeSuite):
     """``packings``: the modes to train (default all); a recipe whose packing differs from another's only in its
-    model hooks may run fewer, the engine-level tests covering the planners."""
+    model hooks may run fewer, the engine-level tests covering the planners. ``overrides``: more keys of every run
+    (a MoE recipe: its load-balancing loss on)."""
 
     packings: tuple[str | None, ...] = kit.PACKINGS
+    overrides: tuple[str, ...] = ()
 
     def pytest_generate_tests(self, metafunc):
         if "packing" in metafunc.fixturenames:
             metafunc.parametrize("packing", self.packings)
 
     def test_smoke_training(self, packing, tmp_path):
-        summary = kit.smoke_run(self.recipe, packing, tmp_path / "run")
+        summary = kit.smoke_run(self.recipe, packing, tmp_path / "run", self.overrides)
         kit.check_smoke_summary(summary)
         assert summary["packing"] == packing
 

@@ -91,3 +91,18 @@ def test_experts_implementations_agree(case):
         for ours, theirs in zip(reference, tensors):
             scale = theirs.abs().max().clamp(min=1e-12)
             assert ((ours - theirs).abs().max() / scale).item() <= TOL, name
+
+
+def test_the_models_own_aux_loss_stays_off_under_a_config_that_turns_it_on(case):
+    """A checkpoint may set ``output_router_logits``: the recipe's kwargs switch it off, so the packed forward on
+    eager runs and forms no aux loss of its own (the engine's is over the step's real tokens); left on, transformers'
+    aux loss fails on the 4-D block mask (it flattens the mask as [B * L])."""
+    model = case.recipe.build_model(case.model_cfg, "eager").eval()
+    model.config.text_config.output_router_logits = True
+    kwargs = case.recipe.prepare_packed(case.batch, model, "eager")
+    assert kwargs["output_router_logits"] is False
+    assert case.recipe.prepare_padded(case.alone(case.samples[0]), model, "eager")["output_router_logits"] is False
+    with torch.no_grad():
+        assert model(**kwargs).aux_loss is None
+        with pytest.raises(RuntimeError, match="must match the size"):
+            model(**{**kwargs, "output_router_logits": True})

@@ -1,11 +1,26 @@
 """A few real training steps of the tiny Qwen3.5-MoE on the demo data with its clips (the kit's ``SmokeSuite``):
 falling loss, accounting that reconciles with the plan, estimated == actual steps. Greedy-packed only: the padded
 baseline's linear-attention path is Qwen3.5's own (``recipes/qwen3_5/tests/test_smoke.py``), and the MoE blocks route
-each token alone, packed or not (``test_packed_equivalence.py``)."""
+each token alone, packed or not (``test_packed_equivalence.py``).
 
+The run trains with the load-balancing loss on (``train.router_aux_loss_coef``; scope ``step``: a counting forward per
+micro-batch first), and every ``metrics.jsonl`` step carries the aux loss and each MoE layer's expert load."""
+
+import mvp_engine.engine.testkit as kit
 from mvp_engine.engine.testkit.suites import SmokeSuite
 
 
 class TestSmoke(SmokeSuite):
     recipe = "qwen3_5_moe"
     packings = ("greedy",)
+    overrides = ("train.router_aux_loss_coef=0.01",)
+
+    def test_smoke_training(self, packing, tmp_path):
+        """The suite's run and checks, then its router metrics: a finite aux loss every step, and per MoE layer
+        (2) the busiest expert's load over the mean between 1 (balanced) and E / k = 2 (collapsed)."""
+        super().test_smoke_training(packing, tmp_path)
+        metrics = kit.read_metrics(tmp_path / "run")
+        assert metrics and len(metrics) == kit.read_summary(tmp_path / "run")["actual_steps"]
+        for step in metrics:
+            assert 0 < step["aux_loss"] < float("inf")
+            assert len(step["expert_load"]) == 2 and all(1.0 <= load <= 2.0 for load in step["expert_load"])
