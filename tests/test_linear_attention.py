@@ -16,6 +16,7 @@ from mvp_engine.packing import (
     ensure_linear_attention_boundaries,
     flash_varlen_kwargs,
     has_linear_attention,
+    linear_attention,
     linear_attention_enabled,
     prepare_packed_inputs,
     text_positions,
@@ -186,3 +187,48 @@ def test_a_replaced_linear_attention_forward_is_refused():
     layer.forward = lambda *args, **kwargs: None
     with pytest.raises(NotImplementedError, match="replaced forward"):
         enable_linear_attention_packing(model, LAYERS)
+
+
+def test_the_gated_delta_rule_runs_fla_on_cuda_where_installed_else_the_torch_reference(monkeypatch):
+    """What packed linear-attention layers run and why (the start line's words): fla's varlen kernel only on CUDA
+    with flash-linear-attention importable; the exact per-sample reference on the CPU and without fla."""
+    monkeypatch.setattr(linear_attention, "fla_chunk_rule", lambda: None)
+    assert linear_attention.chunk_rule_kernel("cuda")[0] == linear_attention.TORCH_REFERENCE
+    assert "flash-linear-attention is not installed" in linear_attention.chunk_rule_kernel("cuda")[1]
+    monkeypatch.setattr(linear_attention, "fla_chunk_rule", lambda: _fla_stand_in)
+    assert linear_attention.chunk_rule_kernel("cpu")[0] == linear_attention.TORCH_REFERENCE
+    assert linear_attention.chunk_rule_kernel("cuda")[0] == linear_attention.FLA_KERNEL
+    line = linear_attention.describe_linear_attention(_tiny_text_model(), "cuda")
+    assert line == "linear attention: fla chunk_gated_delta_rule over the flattened batch with cu_seqlens (CUDA, fla " \
+                   "installed)"
+    assert linear_attention.describe_linear_attention(_tiny_text_model(("full_attention",) * 2), "cuda") is None
+
+
+def _fla_stand_in(query, key, value, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                  cu_seqlens):
+    """fla's contract on the CPU: one row of packed sequences (batch 1), int64 ``cu_seqlens``, no initial state;
+    computed by the reference path on that one row."""
+    assert query.shape[0] == 1 and cu_seqlens.dtype == torch.long and initial_state is None
+    _fla_stand_in.calls += 1
+    return _varlen_chunk_rule(_original(qwen3_5, CHUNK_RULE))(
+        query, key, value, g=g, beta=beta, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)
+
+
+def test_the_fla_path_hands_the_kernel_one_flattened_row_and_gives_what_the_reference_gives(segment_ids,
+                                                                                            monkeypatch):
+    torch.manual_seed(0)
+    batch, width = segment_ids.shape
+    q, k, v = (torch.randn(batch, width, 2, 8) for _ in range(3))
+    g, beta = -torch.rand(batch, width, 2) * 0.2, torch.rand(batch, width, 2)
+    bounds = flash_varlen_kwargs(segment_ids)["cu_seq_lens_q"]
+    reference, states = _varlen_chunk_rule(_original(qwen3_5, CHUNK_RULE))(
+        q, k, v, g=g, beta=beta, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=bounds)
+    _fla_stand_in.calls = 0
+    out, fla_states = linear_attention.fla_varlen(_fla_stand_in, q, k, v, g, beta, 64, True, True, bounds)
+    assert _fla_stand_in.calls == 1 and torch.equal(out, reference) and torch.equal(fla_states, states)
+    # on CPU tensors the wrapper keeps the reference even where fla imports
+    monkeypatch.setattr(linear_attention, "fla_chunk_rule", lambda: _fla_stand_in)
+    again, _ = _varlen_chunk_rule(_original(qwen3_5, CHUNK_RULE))(q, k, v, g=g, beta=beta, cu_seqlens=bounds,
+                                                                   use_qk_l2norm_in_kernel=True)
+    assert _fla_stand_in.calls == 1 and torch.equal(again, reference)

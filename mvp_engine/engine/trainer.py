@@ -27,6 +27,7 @@ from mvp_engine.kit.mllm.data import (
     token_shares,
 )
 from mvp_engine.kit.mllm.data.steps import estimate_total_steps
+from mvp_engine.packing.linear_attention import describe_linear_attention
 
 from .checkpoint import Checkpointer, RunState
 from .flops import batch_flops, device_peak_tflops
@@ -176,6 +177,9 @@ class Trainer:
             print(f"{describe_processes(self.accelerator)}, data workers {workers_for(self.specs.train.num_workers)}; "
                   f"mixed_precision {self.specs.train.mixed_precision}; "
                   f"attention {self.specs.attention} ({self.specs.attention_why})")
+            linear = describe_linear_attention(model, self.accelerator.device.type)  # Qwen3.5's kernel and why
+            if linear is not None:
+                print(linear)
             print(self.parts.parameters.describe())
             if is_sharded(model):
                 print(describe_sharding(model))

@@ -35,8 +35,12 @@ The fix replaces those two module-level names, in the modeling module of each li
 model holds and nowhere else, by wrappers that run transformers' own torch reference per sample when boundaries are
 given (``cu_seq_lens_q`` / ``cu_seqlens`` over the flattened B*L tokens, as flash takes them) and call the original
 unchanged when they are not: every unpacked forward, cached decoding and every other model behave as before.
-Idempotent (a second call finds its wrapper and does nothing). The per-sample path is the torch reference on every
-device, so with boundaries the fla / causal-conv1d kernels are bypassed: exact, slower on GPU.
+Idempotent (a second call finds its wrapper and does nothing). The per-sample path is the torch reference, exact on
+every device and the CPU's path; on CUDA with flash-linear-attention installed the gated delta rule runs fla's
+``chunk_gated_delta_rule`` once over the flattened (1, B*L) batch with ``cu_seqlens`` instead (:func:`chunk_rule_kernel`
+says which and why; the start line prints it), since the reference loops over L/64 chunks in Python per layer.
+``tools/gpu_check.py`` compares the two on a GPU. The conv stays the reference on every device (one call for all
+samples; causal-conv1d's CUDA kernel would need ``seq_idx`` and a channel-last layout, unverified here).
 
 - conv1d: each sample's tokens are laid out after ``kernel - 1`` zeros (what the conv's own padding gives one
   sample alone), one reference call over the whole laid-out sequence, the samples' outputs gathered back.
@@ -51,6 +55,7 @@ with linear-attention layers must carry ``cu_seq_lens_q`` and run the wrappers, 
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import sys
 from collections.abc import Callable, Collection, Mapping
@@ -70,6 +75,8 @@ CONV = "causal_conv1d_fn"
 CHUNK_RULE = "torch_chunk_gated_delta_rule"
 _MARK = "_packs_by_boundaries"  # set on our wrappers: the install is idempotent and the guard can see it
 _DECLARED = "_linear_attention_classes"  # set on the model by the install: the classes its recipe declared
+FLA_MODULE = "fla.ops.gated_delta_rule"  # flash-linear-attention's gated delta rule kernels
+FLA_KERNEL, TORCH_REFERENCE = "fla", "torch reference"
 
 
 def linear_attention_layers(model, layer_classes: Collection[type]) -> list[torch.nn.Module]:
@@ -166,6 +173,20 @@ def _varlen_conv1d(original: Callable) -> Callable:
     return conv1d
 
 
+def fla_varlen(kernel: Callable, query, key, value, g, beta, chunk_size, output_final_state,
+               use_qk_l2norm_in_kernel, cu_seqlens):
+    """The gated delta rule of every sample by one ``kernel`` call (fla's ``chunk_gated_delta_rule``) over the batch
+    flattened to one row of B*L tokens with ``cu_seqlens`` (int64), as fla takes packed sequences: the keywords
+    transformers' Qwen3.5 layer hands it (its own chunk size, 64, is fla's fixed one). Returns the (B, L, ...) output
+    and each sample's final state, as the reference path does."""
+    batch, length = query.shape[:2]
+    flat = [t.reshape(1, batch * length, *t.shape[2:]) for t in (query, key, value, g, beta)]
+    out, states = kernel(*flat[:3], g=flat[3], beta=flat[4], initial_state=None,
+                         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                         cu_seqlens=cu_seqlens.to(torch.long))
+    return out.reshape(batch, length, *out.shape[2:]), (states if output_final_state else None)
+
+
 def _varlen_chunk_rule(original: Callable) -> Callable:
     reference = _reference(original, CHUNK_RULE)
 
@@ -202,16 +223,18 @@ def _varlen_chunk_rule(original: Callable) -> Callable:
                             **kwargs)
         if initial_state is not None:
             raise ValueError("linear attention: packed samples start from a zero state; got an initial_state")
+        kernel = fla_chunk_rule() if chunk_rule_kernel(query.device.type)[0] == FLA_KERNEL else None
+        varlen = per_sample if kernel is None else functools.partial(fla_varlen, kernel)
         shard = sequence_shard()
         if shard is None or shard.size == 1:
-            return per_sample(query, key, value, g, beta, chunk_size, output_final_state, use_qk_l2norm_in_kernel,
-                              cu_seqlens)
+            return varlen(query, key, value, g, beta, chunk_size, output_final_state, use_qk_l2norm_in_kernel,
+                          cu_seqlens)
         if output_final_state:
             raise ValueError("linear attention under context parallelism keeps no final state (training only)")
         # context parallelism: the delta rule runs per head, so 1/N of the heads over the whole row (key heads and
         # value heads split alike: the reference repeats key head i for value heads i*r .. i*r + r - 1)
         whole = [all_to_all(t, scatter_dim=2, gather_dim=1, shard=shard) for t in (query, key, value, g, beta)]
-        out, _ = per_sample(*whole, chunk_size, False, use_qk_l2norm_in_kernel, cu_seqlens)
+        out, _ = varlen(*whole, chunk_size, False, use_qk_l2norm_in_kernel, cu_seqlens)
         return all_to_all(out, scatter_dim=1, gather_dim=2, shard=shard), None
 
     setattr(chunk_rule, _MARK, True)
@@ -219,6 +242,32 @@ def _varlen_chunk_rule(original: Callable) -> Callable:
 
 
 _WRAPPERS = {CONV: _varlen_conv1d, CHUNK_RULE: _varlen_chunk_rule}
+
+
+def fla_chunk_rule() -> Callable | None:
+    """flash-linear-attention's ``chunk_gated_delta_rule`` (the varlen kernel transformers itself dispatches to when
+    the package imports), None where it does not import (not installed, or no Triton)."""
+    try:
+        return getattr(importlib.import_module(FLA_MODULE), "chunk_gated_delta_rule", None)
+    except Exception:  # noqa: BLE001 - any failed import means the kernel is not there
+        return None
+
+
+def chunk_rule_kernel(device_type: str) -> tuple[str, str]:
+    """Which gated delta rule packed linear-attention layers run on ``device_type``: ``(FLA_KERNEL | TORCH_REFERENCE,
+    why)``. fla's Triton kernel on CUDA where flash-linear-attention imports, else the exact torch reference per
+    sample."""
+    if device_type != "cuda":
+        return TORCH_REFERENCE, f"the exact torch reference per sample on {device_type} (fla's kernels run on CUDA)"
+    if fla_chunk_rule() is None:
+        return TORCH_REFERENCE, ("the exact torch reference per sample: flash-linear-attention is not installed "
+                                 "(pip install flash-linear-attention for its varlen kernel)")
+    return FLA_KERNEL, "fla chunk_gated_delta_rule over the flattened batch with cu_seqlens (CUDA, fla installed)"
+
+
+def describe_linear_attention(model, device_type: str) -> str | None:
+    """The start line's words on a model's linear-attention layers (None: it has none)."""
+    return f"linear attention: {chunk_rule_kernel(device_type)[1]}" if has_linear_attention(model) else None
 
 
 def enable_linear_attention_packing(model, layer_classes: Collection[type]):
