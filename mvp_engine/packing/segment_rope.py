@@ -28,6 +28,7 @@ import torch
 from mvp_engine.kit.mllm.data.media import MediaKind
 
 from .batch_metadata import PACKED_POSITIONS, batch_metadata, describe_packed
+from .branches import batch_branches, branch_views
 from .inputs import check_media_placement, text_positions
 from .segments import row_segments
 from .unwrap import unwrap_model
@@ -92,6 +93,35 @@ def _segment_grids(batch: dict[str, Any], types: torch.Tensor, kind: MediaKind, 
     return {owner: {key: batch[key][indices] for key in keys} for owner, indices in items.items()}
 
 
+def _pair_rope(get_rope_index, input_ids: torch.Tensor, types: torch.Tensor, branches: torch.Tensor,
+               owned: dict[str, torch.Tensor | None], media: Sequence[tuple[MediaKind, int]],
+               merge_size: int) -> torch.Tensor:
+    """(3, n) rotary positions of one preference pair's segment: ``get_rope_index`` on each sequence it stands for
+    (prefix + chosen, prefix + rejected: ``branches.branch_views``) with the items whose placeholders that sequence
+    holds, so both continuations continue from the prefix exactly as each conversation alone would."""
+    out = torch.zeros(POSITION_ROWS - 1, input_ids.numel(), dtype=torch.long, device=input_ids.device)
+    for view in branch_views(branches):
+        inside = torch.zeros(input_ids.numel(), dtype=torch.bool)
+        inside[view] = True
+        kept: dict[str, torch.Tensor | None] = {}
+        for kind, code in media:
+            grids = owned.get(kind.grid_key)
+            kept[kind.grid_key] = None
+            if grids is None:
+                continue
+            firsts = (types.cpu() == code).nonzero().view(-1)
+            offsets = [0, *(grids.prod(-1) // merge_size**2).cumsum(0).tolist()[:-1]]
+            chosen = [i for i, offset in enumerate(offsets) if bool(inside[firsts[offset]])]
+            if chosen:
+                kept.update({key: value[chosen] for key, value in owned.items()
+                             if value is not None and key in (kind.grid_key, *kind.item_keys)})
+        tokens = view.to(input_ids.device)
+        rope, _ = get_rope_index(input_ids[tokens].unsqueeze(0), mm_token_type_ids=types[tokens].unsqueeze(0),
+                                 **{key: None if value is None else value.clone() for key, value in kept.items()})
+        out[:, tokens] = rope[:, 0].to(out.dtype)
+    return out
+
+
 def segment_rope_positions(batch: dict[str, Any], model, types: torch.Tensor,
                            media: Sequence[tuple[MediaKind, int]], merge_size: int) -> torch.Tensor:
     """(4, B, L) positions: row 0 the per-segment text positions, rows 1..3 the model's own ``get_rope_index`` run
@@ -106,6 +136,7 @@ def segment_rope_positions(batch: dict[str, Any], model, types: torch.Tensor,
     get_rope_index = model if isinstance(model, RopeIndex) else RopeIndex(model)
     metadata = batch_metadata(batch)
     runs = metadata.runs if metadata is not None else row_segments(batch["pack_segment_ids"])
+    branches = batch_branches(batch)
     for row, row_runs in enumerate(runs):
         for seg, start, end in row_runs:
             owned = {kind.grid_key: None for kind, _ in media}
@@ -113,6 +144,11 @@ def segment_rope_positions(batch: dict[str, Any], model, types: torch.Tensor,
                 owned.update(grids[kind].get((row, seg), {}))
             if all(value is None for value in owned.values()):
                 continue  # padding, or text-only: get_rope_index gives the same arange as row 0
+            if branches is not None and bool((branches[row, start:end] != 0).any()):  # a preference pair
+                positions[1:, row, start:end] = _pair_rope(get_rope_index, input_ids[row, start:end],
+                                                           types[row, start:end], branches[row, start:end].cpu(),
+                                                           owned, media, merge_size).to(positions.dtype)
+                continue
             rope, _ = get_rope_index(
                 input_ids[row : row + 1, start:end],
                 mm_token_type_ids=types[row, start:end].unsqueeze(0),
