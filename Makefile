@@ -19,14 +19,19 @@ setup: $(STAMP)
 train-demo: $(STAMP)
 	$(PY) -m recipes.qwen2_vl.train +packing=greedy
 
+# pytest-xdist workers: the suite's processes are single-threaded (one torch thread each), so one worker per core;
+# a test module (or a recipe suite's class) stays on one worker, so its shared runs are trained once
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadscope
+
 # the whole suite (CI's command); TEST_REPORT=dir: every test's duration printed and a JUnit XML in dir
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=$(if $(TEST_REPORT),0,25) $(if $(TEST_REPORT),--junitxml=$(TEST_REPORT)/junit.xml)
+	$(PY) -m pytest -q $(XDIST) --durations=$(if $(TEST_REPORT),0,25) $(if $(TEST_REPORT),--junitxml=$(TEST_REPORT)/junit.xml)
 
 # the inner loop: no process launches, no slow end-to-end runs (a test that starts processes here fails, naming
 # the marker it lacks)
 test-fast: $(STAMP)
-	VLM_PACKING_NO_LAUNCH=1 $(PY) -m pytest -q -m "not slow and not launch" --durations=10
+	VLM_PACKING_NO_LAUNCH=1 $(PY) -m pytest -q $(XDIST) -m "not slow and not launch" --durations=10
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

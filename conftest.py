@@ -3,7 +3,7 @@ other test runs as on a CPU machine (``VLM_PACKING_DEVICE=cpu``, ``mvp_engine/en
 CPU claims hold on a GPU machine too. Every test session measures into its own cache folder (so do the processes
 tests launch, which inherit the environment): a user's ``~/.cache/vlm_packing`` is never read or written by the
 tests. The session ends with how many trainings ran and how (launched interpreters, pooled multi-rank runs,
-in-process runs): the suite's cost is counted, not guessed."""
+in-process runs; summed over pytest-xdist's workers): the suite's cost is counted, not guessed."""
 
 import os
 import tempfile
@@ -49,6 +49,21 @@ def pytest_itemcollected(item):
 
     if "launch" in item.keywords and os.environ.get(NO_LAUNCH_ENV) != "1":
         runs.start_fork_server()
+
+
+def pytest_sessionfinish(session):
+    """A pytest-xdist worker hands its counts to the controller, which prints the session's total."""
+    from mvp_engine.engine.testkit.launch import RUN_COUNTS
+
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["run_counts"] = dict(RUN_COUNTS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    from mvp_engine.engine.testkit.launch import RUN_COUNTS
+
+    RUN_COUNTS.update(getattr(node, "workeroutput", {}).get("run_counts", {}))
 
 
 def pytest_terminal_summary(terminalreporter):
