@@ -100,8 +100,10 @@ def test_padded_baseline_equals_one_by_one(case, model):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["sdpa", "sdpa_varlen"])
 def test_linear_attention_packing_on_cuda(case, backend):
-    """The per-sample linear-attention path on CUDA (fp32; fla / causal-conv1d kernels, if installed, are bypassed
-    when boundaries are given)."""
+    """The packed linear-attention path on CUDA (fp32). Without flash-linear-attention both sides run the torch
+    reference (packed: per sample); with it both run fla's gated delta rule (packed: its varlen kernel over the
+    flattened batch, ``linear_attention.fla_varlen``; one by one: transformers' own call per row). The conv runs the
+    torch reference packed and causal-conv1d's kernel, if installed, one by one."""
     report = kit.run_equivalence(case, backend, device="cuda", dtype=torch.float32, tol=TOL)
     print("\n".join(report.lines()))
     report.check()
