@@ -32,6 +32,7 @@ from mvp_engine.packing.sequence_media import encode_media_shares
 
 from .config import ConfigError, TrainSpec
 from .participation import forward_with_media_pass
+from .quantize import FSDP2_REFUSAL, quantized_layers
 from .recompute import enable_activation_checkpointing
 from .sharding import load_full_state_dict, shard_model
 
@@ -161,6 +162,8 @@ def parallelize(model, layout: ParallelLayout, train: TrainSpec, recipe=None, ac
         model = hook(model, layout, train)
     if accelerator is None:
         return model
+    if train.sharding == "fsdp2" and quantized_layers(model):
+        raise ConfigError(FSDP2_REFUSAL)
     if train.sharding == "fsdp2":
         # torch's fully_shard, not accelerator.prepare: accelerate 1.15 ignores its FSDP2 plugin on a CPU machine
         # and wraps the model in DDP (sharding.py); the optimizer is built over the shards

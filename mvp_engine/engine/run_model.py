@@ -17,6 +17,7 @@ from .builders import pretrained_without_weights
 from .config import ModelSpec
 from .lora import add_adapters
 from .participation import ParameterReport, freeze_parameters
+from .quantize import quantize_base
 from .recipe import Recipe
 
 PURPOSES = ("train", "eval", "plan")
@@ -27,8 +28,9 @@ def prepare_model(recipe: Recipe, model_cfg: DictConfig, spec: ModelSpec, attent
     """The model and its parameter report, for ``purpose``:
 
     - ``train``: built with ``attention`` (``without_weights``: a pretrained model from its config alone, parameters
-      on the meta device, for the ranks that receive FSDP2 shards from rank 0), adapters added before freezing
-      (which then sees them as ordinary layers), then frozen;
+      on the meta device, for the ranks that receive FSDP2 shards from rank 0), the layers the adapters wrap
+      quantized (``model.quantization``), adapters added before freezing (which then sees them as ordinary
+      layers), then frozen;
     - ``eval``: the model as it is saved (a merged LoRA folder loads as a plain model, an adapter folder as its base
       with the saved adapters), no adapters added, nothing frozen (no report);
     - ``plan``: on the meta device, no weights (a pretrained folder's config only), adapters and freezing as in
@@ -47,6 +49,7 @@ def prepare_model(recipe: Recipe, model_cfg: DictConfig, spec: ModelSpec, attent
             model = recipe.build_model(model_cfg, attention)
         if purpose == "eval":
             return model, None
+        quantize_base(model, spec)  # the layers the adapters wrap, before they wrap them (model.quantization)
         model = add_adapters(model, spec.lora, spec.seed)
     return model, freeze_parameters(model, spec.freeze, recipe.unreachable_parameters(model))
 

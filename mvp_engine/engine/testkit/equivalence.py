@@ -35,8 +35,10 @@ from mvp_engine.packing import SDPA_VARLEN, has_linear_attention, is_flash, row_
 from mvp_engine.packing.attention import FLEX
 from mvp_engine.packing.linear_attention import BOUNDARIES
 
+from ..config import ModelSpec
 from ..lora import LoraSpec, add_adapters
 from ..loss import weighted_token_loss
+from ..quantize import quantize_base
 from ..recipe import Recipe
 from .records import demo_like_records, video_record
 from .structure import backward_available, compose_config, load_recipe
@@ -230,10 +232,12 @@ def with_random_adapters(model: torch.nn.Module, lora: LoraSpec, seed: int = 0) 
 
 def run_equivalence(case: EquivalenceCase, backend: str, *, prepare_packed: Callable | None = None,
                     device: str | None = None, dtype: torch.dtype | None = None,
-                    tol: float | None = None, lora: LoraSpec | None = None) -> EquivalenceReport:
+                    tol: float | None = None, lora: LoraSpec | None = None,
+                    quantization: str = "none") -> EquivalenceReport:
     """Packed vs one-by-one on ``backend`` (``prepare_packed`` overrides the recipe's, e.g. to prove a broken one
     is caught; ``lora``: on the model with those adapters, :func:`with_random_adapters`, whose gradients are the
-    ones compared). fp32 on CPU by default; flash runs on CUDA in bf16 with a looser tolerance."""
+    ones compared; ``quantization``: the layers they adapt quantized first, ``model.quantization``'s QLoRA). fp32
+    on CPU by default; flash runs on CUDA in bf16 with a looser tolerance."""
     flash = is_flash(backend)
     device = device or ("cuda" if flash else "cpu")
     dtype = dtype or (torch.bfloat16 if flash else torch.float32)
@@ -245,6 +249,8 @@ def run_equivalence(case: EquivalenceCase, backend: str, *, prepare_packed: Call
         # gemma4's in one process); every case compiles its own static kernels
         torch._dynamo.reset()
     model = case.recipe.build_model(case.model_cfg, backend)
+    if quantization != "none":
+        quantize_base(model, ModelSpec(quantization=quantization, lora=lora or LoraSpec()))
     if lora is not None:
         model = with_random_adapters(model, lora)
     model = model.to(device=device, dtype=dtype).eval()
