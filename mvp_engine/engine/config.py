@@ -110,6 +110,10 @@ class TrainSpec:
     # (exact: one extra no-grad forward per micro-batch) or each micro-batch summed over the ranks
     router_aux_loss_coef: float | None = None
     router_aux_loss_scope: str = "step"
+    # aux-loss-free balancing (router_balance.py) of a model whose routers carry a correction bias (GLM-4.5V's
+    # e_score_correction_bias): each step, bias += rate x sign(mean load - expert load) from the step's counts
+    # over every rank's real tokens; 0: off (the bias stays as loaded)
+    router_bias_update_rate: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("epochs", "micro_batch_size", "gradient_accumulation_steps", "log_every", "keep_last",
@@ -172,6 +176,9 @@ class TrainSpec:
         coef = self.router_aux_loss_coef
         if coef is not None and (isinstance(coef, bool) or not isinstance(coef, (int, float)) or coef < 0):
             raise ConfigError(f"train.router_aux_loss_coef={coef!r} is invalid: allowed null or a float >= 0")
+        rate = self.router_bias_update_rate
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate < 0:
+            raise ConfigError(f"train.router_bias_update_rate={rate!r} is invalid: allowed a float >= 0")
         if self.router_aux_loss_scope not in ROUTER_AUX_SCOPES:
             raise ConfigError(f"train.router_aux_loss_scope={self.router_aux_loss_scope!r} is invalid: allowed one "
                               f"of {list(ROUTER_AUX_SCOPES)}")

@@ -29,6 +29,13 @@ micro-batches have not routed yet. Two scopes (``train.router_aux_loss_scope``):
   load-balancing loss). Exact over packing within a micro-batch and over data-parallel ranks of the same global
   micro-batch; not over gradient accumulation (a step split into more micro-batches forms ``f`` over fewer tokens).
 
+Aux-loss-free balancing (DeepSeek-V3's expert bias; GLM-4.5V's ``e_score_correction_bias``, which transformers keeps
+as a buffer and never updates): where the recipe names its routers' correction bias (``Routers.bias``) and
+``train.router_bias_update_rate`` is set, :meth:`RouterBalance.end_step` moves each layer's bias once per optimizer
+step, after the update, by ``rate * sign(mean_e c[l, e] - c[l, e])`` (an underloaded expert up, an overloaded one
+down) from the step's counts over every rank's real tokens: the same sums on every rank, so the same bias, and the
+same whatever the packing or micro-batching. The bias is a persistent buffer of the model, so checkpoints carry it.
+
 A recipe opts in with the ``Recipe.moe_routers`` hook: a function of the model returning :class:`Routers` (its
 router modules in layer order, E, k, the model config's coefficient, and how to read probabilities and chosen
 experts from a router's output), or None for a model without experts. The engine installs forward hooks on those
@@ -66,13 +73,15 @@ class Routers:
     order. ``read(output, top_k)`` turns a router's forward output into (probabilities ``[B * L, E]`` fp32, kept in
     the autograd graph; chosen experts ``[B * L, top_k]``). ``aux_loss_coef``: the model config's coefficient where
     the model's own aux loss is on (transformers: ``output_router_logits``), else 0 (what
-    ``train.router_aux_loss_coef=null`` resolves to)."""
+    ``train.router_aux_loss_coef=null`` resolves to). ``bias``: the name of each router's correction-bias buffer
+    ``[E]`` (added to its scores for the choice only) that aux-loss-free balancing moves; empty: none."""
 
     modules: tuple[torch.nn.Module, ...]
     num_experts: int
     top_k: int
     aux_loss_coef: float = 0.0
     read: Callable[[Any, int], tuple[torch.Tensor, torch.Tensor]] = softmax_top_k
+    bias: str = ""
 
 
 @dataclass
@@ -117,8 +126,10 @@ class RouterBalance:
     :meth:`step_metrics` at the end. With ``coef`` 0 nothing is added to the loss and nothing is counted twice: the
     training forwards' routing is summed for the metrics alone. ``reduce`` sums a tensor over every rank."""
 
-    def __init__(self, routers: Routers, coef: float, scope: str, reduce: Callable[[torch.Tensor], torch.Tensor]):
+    def __init__(self, routers: Routers, coef: float, scope: str, reduce: Callable[[torch.Tensor], torch.Tensor],
+                 bias_rate: float = 0.0):
         self.routers, self.coef, self.scope, self.reduce = routers, float(coef), scope, reduce
+        self.bias_rate = float(bias_rate)
         self.layers, self.experts = len(routers.modules), routers.num_experts
         self._real: torch.Tensor | None = None  # while recording: the forward's real-token mask [B * L]
         self._tokens = torch.zeros((), dtype=torch.float64)  # the real tokens of the forward recorded last
@@ -213,6 +224,22 @@ class RouterBalance:
         share = aux_loss(whole.counts.to(device), local.probs, whole.tokens.to(device))
         return self.coef * share / (1 if self.scope == "step" else micro_batches)
 
+    def end_step(self) -> None:
+        """After the optimizer step: the step's sums over every rank settled (with ``coef`` 0, one all-reduce of the
+        metrics' sums), then each router's correction bias moved by ``bias_rate`` from the step's counts (module
+        docstring)."""
+        if self._local:
+            whole = RouterSums.from_flat(self.reduce(sum(self._local)), self.layers, self.experts)
+            self._local, self._seen = [], [whole]
+            self._aux_values = [aux_loss(whole.counts, whole.probs, whole.tokens)]
+        if not self.bias_rate or not self.routers.bias or not self._seen:
+            return
+        counts = sum(s.counts for s in self._seen)
+        with torch.no_grad():
+            for module, layer in zip(self.routers.modules, counts):
+                bias = getattr(module, self.routers.bias)
+                bias.add_(torch.sign(layer.mean() - layer).to(bias), alpha=self.bias_rate)
+
     def step_metrics(self) -> dict:
         """The step's ``aux_loss`` (the term ``coef`` multiplies, over every rank; with ``coef`` 0 what it would
         be under scope ``step``) and ``expert_load`` (per MoE layer, the busiest expert's real tokens over the
@@ -240,12 +267,20 @@ def recorded_routers(model, read: Callable[[Any, int], tuple[torch.Tensor, torch
 
 
 def build_router_balance(routers: Routers | None, coef: float | None, scope: str,
-                         reduce: Callable[[torch.Tensor], torch.Tensor]) -> RouterBalance | None:
+                         reduce: Callable[[torch.Tensor], torch.Tensor], bias_rate: float = 0.0
+                         ) -> RouterBalance | None:
     """The run's :class:`RouterBalance` for a model with ``routers`` (None: no experts), ``coef`` being
-    ``train.router_aux_loss_coef`` (None: the model config's, ``routers.aux_loss_coef``)."""
+    ``train.router_aux_loss_coef`` (None: the model config's, ``routers.aux_loss_coef``), ``bias_rate``
+    ``train.router_bias_update_rate`` (refused for routers without a correction bias)."""
     if routers is None:
         if coef:
             raise ConfigError(f"train.router_aux_loss_coef={coef!r} needs a mixture-of-experts model: this recipe's "
                               "model has no routers (Recipe.moe_routers)")
+        if bias_rate:
+            raise ConfigError(f"train.router_bias_update_rate={bias_rate!r} needs a mixture-of-experts model: this "
+                              "recipe's model has no routers (Recipe.moe_routers)")
         return None
-    return RouterBalance(routers, routers.aux_loss_coef if coef is None else coef, scope, reduce)
+    if bias_rate and not routers.bias:
+        raise ConfigError(f"train.router_bias_update_rate={bias_rate!r} needs routers with a correction bias: "
+                          f"{type(routers.modules[0]).__name__} has none (aux-loss-free balancing)")
+    return RouterBalance(routers, routers.aux_loss_coef if coef is None else coef, scope, reduce, bias_rate)

@@ -172,6 +172,8 @@ class TrainStep:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        if balance is not None:  # the step's router sums settled over the ranks; correction biases moved
+            balance.end_step()
         step_loss = float(accelerator.reduce(step_loss.to(torch.float32), reduction="sum"))
         return step_loss, float(grad_norm), timing
 

@@ -21,11 +21,15 @@ default), read as GLM routes (:func:`sigmoid_routing`): the experts each token r
 the correction bias) and the per-token normalised sigmoid scores, DeepSeek-V3's balance-loss form. transformers'
 own aux loss for this model (``load_balancing_loss_func``) takes a softmax top-k of the router logits, which are not
 the experts the tokens ran; the engine sums the statistics over the optimizer step's real tokens either way.
+GLM-4.5V balances mainly without that loss, by the routers' ``e_score_correction_bias`` (which transformers never
+updates): ``train.router_bias_update_rate`` moves it once per optimizer step from the step's expert counts over every
+rank's real tokens (``router_balance``), the same on every rank; it is a buffer of the model, saved with it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 import torch
 from transformers import Glm4vMoeConfig, Glm4vMoeForConditionalGeneration
@@ -82,6 +86,8 @@ def sigmoid_routing(output, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def moe_routers(model) -> Routers | None:
     """The routers of the model's language model (``Glm4vMoeTextModel`` declares the recorder, the conditional
-    generation class does not), read by :func:`sigmoid_routing`."""
+    generation class does not), read by :func:`sigmoid_routing`, their ``e_score_correction_bias`` the buffer
+    aux-loss-free balancing moves (``train.router_bias_update_rate``)."""
     text = next((m for m in model.modules() if isinstance(m, Glm4vMoeTextModel)), None)
-    return None if text is None else recorded_routers(text, read=sigmoid_routing)
+    routers = None if text is None else recorded_routers(text, read=sigmoid_routing)
+    return None if routers is None else replace(routers, bias="e_score_correction_bias")

@@ -4,7 +4,10 @@ inputs are GLM-4.1V's own (``recipes/glm4v/tests/test_smoke.py``), and the MoE l
 not (``test_packed_equivalence.py``).
 
 The run trains with the load-balancing loss on (``train.router_aux_loss_coef``; scope ``step``: a counting forward per
-micro-batch first), and every ``metrics.jsonl`` step carries the aux loss and each MoE layer's expert load."""
+micro-batch first), and every ``metrics.jsonl`` step carries the aux loss and each MoE layer's expert load; the
+routers' correction bias moves every step (aux-loss-free balancing, ``train.router_bias_update_rate``)."""
+
+import torch
 
 import mvp_engine.engine.testkit as kit
 from mvp_engine.engine.testkit.suites import SmokeSuite
@@ -13,7 +16,7 @@ from mvp_engine.engine.testkit.suites import SmokeSuite
 class TestSmoke(SmokeSuite):
     recipe = "glm4v_moe"
     packings = ("greedy",)
-    overrides = ("train.router_aux_loss_coef=0.01",)
+    overrides = ("train.router_aux_loss_coef=0.01", "train.router_bias_update_rate=0.01")
 
     def test_smoke_training(self, packing, tmp_path):
         """The suite's run and checks, then its router metrics: a finite aux loss every step, and per MoE layer
@@ -24,3 +27,9 @@ class TestSmoke(SmokeSuite):
         for step in metrics:
             assert 0 < step["aux_loss"] < float("inf")
             assert len(step["expert_load"]) == 1 and all(1.0 <= load <= 2.0 for load in step["expert_load"])
+        # aux-loss-free balancing on (train.router_bias_update_rate=0.01): the saved bias moved, a whole number of
+        # 0.01 steps (one per optimizer step) within the steps taken
+        bias = kit.final_weights(tmp_path / "run")["model.language_model.layers.1.mlp.gate.e_score_correction_bias"]
+        steps = (bias / 0.01).double()
+        assert bool(bias.any()) and torch.allclose(steps, steps.round(), atol=1e-3)
+        assert float(steps.abs().max()) <= len(metrics)
