@@ -33,6 +33,7 @@ records, origin ``file#row`` (1-based, per file).
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import tarfile
@@ -134,7 +135,12 @@ def _index_columns(shard: str, number: int) -> dict[str, list]:
     keys: dict[str, dict[str, Any]] = {}
     try:
         # "r:" (uncompressed): a member's bytes can then be read at their offset; iterating reads headers only
-        with tarfile.open(shard, "r:") as tar:
+        tar = tarfile.open(shard, "r:")
+    except tarfile.TarError as err:
+        raise MLLMRecordError(f"{shard}: not a readable uncompressed tar shard ({err}); remove it from the source "
+                              "or repair it", "invalid_source") from None
+    with tar:
+        try:
             for info in tar:
                 base, extension = base_plus_ext(info.name)
                 if not info.isfile() or base is None:
@@ -147,10 +153,8 @@ def _index_columns(shard: str, number: int) -> dict[str, list]:
                     entry["json"] = (info.offset_data, info.size)
                 elif extension.rsplit(".", 1)[-1].lower() in IMAGE_EXTENSIONS | VIDEO_EXTENSIONS:
                     entry["media"].append((info.name, info.offset_data, info.size))
-    except tarfile.ReadError:
-        pass  # the shard's tail is lost: the keys before it stand, the one cut short was marked above
-    except tarfile.TarError as err:
-        raise MLLMRecordError(f"{shard}: not a readable tar shard ({err})", "invalid_source") from None
+        except tarfile.TarError:
+            pass  # the shard's tail is lost: the keys before it stand, the one cut short was marked above
     columns: dict[str, list] = {name: [] for name in _INDEX_SCHEMA.names}
     for key, entry in keys.items():
         refused = entry["refused"]
@@ -259,21 +263,26 @@ class TarShardRows:
 
 
 def open_tar_shards(files: list[str], cache: Path, image_root: str, source_dir: str, media_roots: tuple[str, ...],
-                    name: str, max_record_bytes: int) -> tuple[Any, TarShardRows, list[tuple[Any, Any, str]]]:
-    """The index table of a WebDataset source (its shards' indexes, concatenated), its rows, and per shard its
-    index table, rows and identity (the measure pass's units)."""
+                    name: str, max_record_bytes: int) -> tuple[Any, TarShardRows, list]:
+    """The index table of a WebDataset source (its shards' indexes, memory-mapped and concatenated into one
+    ``datasets.Dataset``), its rows, and per shard a ``store.Part`` (the measure pass's units)."""
     import datasets
+    from datasets.table import MemoryMappedTable, concat_tables
 
-    from .store import digest, file_identity
+    from .store import Part, digest, file_identity
 
     shards = tuple(os.path.abspath(f) for f in files)
-    parts = []
+    rows = TarShardRows(name, image_root, source_dir, shards, media_roots, max_record_bytes)
+    tables, parts = [], []
     for number, shard in enumerate(shards):
         identity = digest(file_identity(shard))
-        parts.append((datasets.Dataset.from_file(str(shard_index(shard, number, cache, identity))), identity))
-    rows = TarShardRows(name, image_root, source_dir, shards, media_roots, max_record_bytes)
-    return (datasets.concatenate_datasets([table for table, _ in parts]), rows,
-            [(table, rows, identity) for table, identity in parts])
+        index = str(shard_index(shard, number, cache, identity))
+        tables.append(MemoryMappedTable.from_file(index))
+        # one Dataset per shard costs ~10 ms (datasets' fingerprinting): made only for a shard to be measured
+        parts.append(Part(rows, identity, len(tables[-1]), functools.partial(datasets.Dataset.from_file, index)))
+    # one Dataset over every shard, its fingerprint given (datasets would otherwise hash the table's state)
+    table = datasets.Dataset(concat_tables(tables), fingerprint=digest([part.identity for part in parts]))
+    return table, rows, parts
 
 
 @dataclass
@@ -309,22 +318,22 @@ class TableShardRows:
 
 
 def open_table_shards(kind: str, files: list[str], cache: Path, image_root: str, source_dir: str,
-                      media_roots: tuple[str, ...], name: str
-                      ) -> tuple[Any, TableShardRows, list[tuple[Any, Any, str]]]:
+                      media_roots: tuple[str, ...], name: str) -> tuple[Any, TableShardRows, list]:
     """A parquet / Arrow folder source: its concatenated table, its rows, and per file its table, rows (a file
     source's, so its origins and its measure cache are the file's own) and identity."""
     import datasets
 
-    from .store import SourceRows, source_identity
+    from .store import Part, SourceRows, source_identity
 
-    parts = []
+    tables, parts = [], []
     for path in files:
         if kind == "parquet_shards":
             table = datasets.Dataset.from_parquet(path, cache_dir=str(cache / "parquet"))
         else:
             table = datasets.Dataset.from_file(path)
-        parts.append((table, SourceRows(path, image_root, source_dir, json_rows=False, media_roots=media_roots),
-                      source_identity(path)))
-    starts = tuple(np.cumsum([0] + [len(table) for table, _, _ in parts]).tolist())
+        tables.append(table)
+        parts.append(Part(SourceRows(path, image_root, source_dir, json_rows=False, media_roots=media_roots),
+                          source_identity(path), len(table), lambda table=table: table))
+    starts = tuple(np.cumsum([0] + [len(table) for table in tables]).tolist())
     rows = TableShardRows(name, image_root, source_dir, tuple(files), starts, media_roots)
-    return datasets.concatenate_datasets([table for table, _, _ in parts]), rows, parts
+    return datasets.concatenate_datasets(tables), rows, parts

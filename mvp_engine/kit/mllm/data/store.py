@@ -14,6 +14,9 @@ Sources (``data.sources``, one file or folder each):
 * a folder written by ``datasets``' ``save_to_disk``: loaded with ``Dataset.load_from_disk`` (memory-mapped as it
   is); origin ``folder#row``. A ``DatasetDict`` folder gives its ``train`` split, or its only split.
 
+* a shard source: WebDataset tar shards by pattern or folder, or a folder / pattern of parquet or Arrow files
+  (``shards.py``): one source whose shards are indexed, measured and cached one by one (``RecordStore.parts``).
+
 :func:`source_kind` says which of these a path is (or why it is none), before anything is read: the run's config
 check asks it, so a path training could not open stops the run at once, as one line naming it.
 
@@ -30,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
@@ -102,6 +105,18 @@ def digest(value: Any) -> str:
 
 
 @dataclass
+class Part:
+    """One unit of a source that is measured and cached on its own: the source itself, or one shard of a shard
+    source. ``table()`` makes its ``datasets.Dataset``, only when it must be measured: a warm start of thousands of
+    shards reads their cached measures and never pays for a ``Dataset`` per shard."""
+
+    rows: Any  # the part's SourceRows (or a shard source's own rows object)
+    identity: str
+    num_rows: int
+    table: Callable[[], Any]
+
+
+@dataclass
 class SourceRows:
     """One source as a ``datasets.Dataset`` plus how its rows become raw records; picklable without the table, so
     ``datasets.map`` workers can take it. ``json_rows``: rows are ``(origin, raw JSON bytes, refused)``.
@@ -156,15 +171,17 @@ class RecordStore:
     bad-record fraction counts them). ``sources`` pairs each table with its :class:`SourceRows`; ``fingerprints``
     says what each source's content is (:func:`source_identity`), for the measure cache, as does
     ``max_record_bytes`` (the JSON rows it left without their text). ``parts``: per source, the units it is
-    measured and cached in, ``(table, rows, identity)`` each: the source itself, or each shard of a shard source
-    (``shards.py``), in row order.
+    measured and cached in (:class:`Part`): the source itself, or each shard of a shard source (``shards.py``), in
+    row order.
     """
 
     def __init__(self, sources: list[tuple], allow_leading_assistant: bool = False,
                  max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES):
         self.sources = [(source[0], source[1]) for source in sources]
         self.fingerprints = [source[2] for source in sources]
-        self.parts = [source[3] if len(source) > 3 else [source[:3]] for source in sources]
+        self.parts = [source[3] if len(source) > 3 else [Part(source[1], source[2], len(source[0]),
+                                                              lambda table=source[0]: table)]
+                      for source in sources]
         self.allow_leading_assistant = allow_leading_assistant
         self.max_record_bytes = max_record_bytes
         self.offsets = np.cumsum([0] + [len(table) for table, _ in self.sources])
@@ -295,7 +312,7 @@ def _open_shards(kind: str, path: Path, cache: Path, image_root: str | None, max
                                              max_record_bytes)
     else:
         table, rows, parts = open_table_shards(kind, files, cache, root, folder, media_roots, str(path))
-    return table, rows, digest([identity for _, _, identity in parts]), parts
+    return table, rows, digest([part.identity for part in parts]), parts
 
 
 def _converted_json(path: Path, cache: Path, identity: str, max_record_bytes: int) -> Path:
