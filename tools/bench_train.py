@@ -277,10 +277,14 @@ def build_harness(recipe: Recipe, specs: RunSpecs, processor, cfg_model, backend
 
 
 def collate(harness: Harness, mode: Mode, rows: list[list[int]]) -> dict:
-    """One micro-batch as training builds it: the mode's dataset encodes each row's pack, the collator pads them;
-    the batch-only ``bad_records`` leave before the step, as the trainer's step boundary takes them."""
+    """One micro-batch as training builds it: the mode's dataset encodes each row's pack, the collator pads them
+    and, for a packed call, adds the packed metadata the run's collator computes (``Recipe.packed_metadata``,
+    outside the timed step as in the run's loader workers); the batch-only ``bad_records`` leave before the step,
+    as the trainer's step boundary takes them."""
     batch = harness.collator([mode.dataset.encode_pack(row) for row in rows])
     batch.pop("bad_records")
+    if mode.packed_call:
+        batch.update(harness.recipe.packed_metadata(harness.models[mode.attention])(batch))
     return batch
 
 
