@@ -91,6 +91,7 @@ class TrainSpec:
     sharding: str = "none"  # none: DDP (replicated model); fsdp2: torch's FSDP2 over the ranks (sharding.py)
     activation_checkpointing: bool = False  # recompute each decoder layer and vision block in backward (recompute.py)
     context_parallel_size: int = 1  # CP ranks sharing each packed row (Ulysses; context_parallel.py); DP = world / it
+    expert_parallel_size: int = 1  # ranks each MoE layer's experts are split over, all-to-all (expert_parallel.py)
     eval_every_steps: int = 0  # evaluate data.eval_sources every that many optimizer steps; 0: at the end only
     report_to: list[str] = field(default_factory=list)  # trackers: tensorboard, wandb, mlflow (trackers.py)
     num_threads: int | str = AUTO_THREADS  # torch's CPU threads per process; auto: launch.threads_for
@@ -117,7 +118,7 @@ class TrainSpec:
 
     def __post_init__(self) -> None:
         for name in ("epochs", "micro_batch_size", "gradient_accumulation_steps", "log_every", "keep_last",
-                     "context_parallel_size", "dist_timeout_s", "loss_chunk_tokens"):
+                     "context_parallel_size", "expert_parallel_size", "dist_timeout_s", "loss_chunk_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"train.{name}={getattr(self, name)!r} is invalid: allowed an int >= 1")
         for name in ("save_every_steps", "seed", "eval_every_steps"):

@@ -31,6 +31,7 @@ from mvp_engine.packing import SequenceShard, enable_ulysses, local_model_kwargs
 from mvp_engine.packing.sequence_media import encode_media_shares
 
 from .config import ConfigError, TrainSpec
+from .expert_parallel import exclude_from_ddp, expert_parallel, shard_expert_replicas
 from .participation import forward_with_media_pass
 from .quantize import FSDP2_REFUSAL, quantized_layers
 from .recompute import enable_activation_checkpointing
@@ -164,14 +165,19 @@ def parallelize(model, layout: ParallelLayout, train: TrainSpec, recipe=None, ac
         return model
     if train.sharding == "fsdp2" and quantized_layers(model):
         raise ConfigError(FSDP2_REFUSAL)
+    split = expert_parallel(model, layout, train, weights_from_rank0)  # train.expert_parallel_size
     if train.sharding == "fsdp2":
         # torch's fully_shard, not accelerator.prepare: accelerate 1.15 ignores its FSDP2 plugin on a CPU machine
         # and wraps the model in DDP (sharding.py); the optimizer is built over the shards
         full = model.state_dict() if weights_from_rank0 and accelerator.is_main_process else {}
+        if split is not None:
+            shard_expert_replicas(model, split, train.mixed_precision, train.offload)
         model = shard_model(model, train.mixed_precision, layout.world_mesh, train.offload)
         if weights_from_rank0:
             load_full_state_dict(model, full)
     else:
+        if split is not None:
+            exclude_from_ddp(model, split)
         model = accelerator.prepare_model(model)
     if train.time_barrier and accelerator.num_processes > 1 and \
             not isinstance(model, torch.nn.parallel.DistributedDataParallel):

@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from mvp_engine.packing.collective_device import collective_device
 
 from .config import ConfigError
+from .expert_parallel import is_split, split_squares
 
 
 def mixed_precision_policy(mixed_precision: str) -> MixedPrecisionPolicy:
@@ -109,12 +110,15 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     squares are summed in float64, within fp32 rounding of the exact norm."""
     parameters = [p for p in parameters if p.grad is not None]
     first = parameters[0].grad
-    blocks = [_block_norms(_local(p.grad)) for p in parameters]
+    blocks = [_block_norms(_local(p.grad)) for p in parameters if not is_split(p)]
     squares = torch.cat(blocks).double().square().sum()
     if isinstance(first, DTensor):  # fully_shard's placement: Shard(0) over the mesh
         group = first.device_mesh.get_group()
         squares = squares.to(collective_device(group))
         torch.distributed.all_reduce(squares, group=group)
+    split = split_squares(parameters, _block_norms)  # experts split over ranks under DDP (expert_parallel.py)
+    if split is not None:
+        squares = squares + split.to(squares.device)
     total = squares.sqrt().float()
     torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
     return total

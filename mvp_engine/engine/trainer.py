@@ -30,6 +30,7 @@ from mvp_engine.kit.mllm.data.steps import estimate_total_steps
 from mvp_engine.packing.linear_attention import describe_linear_attention
 
 from .checkpoint import Checkpointer, RunState
+from .expert_parallel import full_experts
 from .flops import batch_flops, device_peak_tflops
 from .launch import describe_processes, workers_for
 from .lora import save_adapters
@@ -423,6 +424,7 @@ class Trainer:
     def _save(self, model, summary: dict) -> None:
         # every rank takes part: FSDP2 gathers the shards to rank 0, on its CPU
         state_dict = full_state_dict(model) if is_sharded(model) else self.accelerator.get_state_dict(model)
+        state_dict.update(full_experts(self.accelerator.unwrap_model(model)))  # gathered over EP groups, if split
         if not self.accelerator.is_main_process:
             return
         model_dir = self.output_dir / "model"

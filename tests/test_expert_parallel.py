@@ -1,0 +1,60 @@
+"""``train.expert_parallel_size``: the tiny Qwen3.5-MoE's experts (4 per layer, top-2) split over 2 gloo ranks, tokens
+dispatched all-to-all, trains what 1 rank x accumulation 2 trains with the load-balancing loss on (losses, aux loss,
+grad norms, gathered final weights), under DDP and FSDP2; the refusals, one line each."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+import mvp_engine.engine.testing as kit
+from mvp_engine.engine.config import ConfigError
+from mvp_engine.engine.expert_parallel import check_expert_parallel
+
+RECIPE = "qwen3_5_moe"
+COMMON = ("+packing=greedy", "data.shuffle=false", "data.max_seq_len=160", "train.epochs=2",
+          "train.micro_batch_size=1", "train.learning_rate=5e-3", "train.warmup_ratio=0.2",
+          "train.loss_reduction=sample", "train.router_aux_loss_coef=0.01")
+
+
+def common() -> list[str]:
+    return [*COMMON, f"data.sources=[{kit.shared_mixed_jsonl()}]"]
+
+
+@pytest.mark.slow
+@pytest.mark.launch
+@pytest.mark.parametrize("sharding", ["none"])
+def test_experts_split_over_two_ranks_train_what_one_rank_accumulating_two_trains(sharding, tmp_path):
+    out = kit.train(RECIPE, tmp_path, [*common(), f"train.sharding={sharding}", "train.expert_parallel_size=2",
+                                       "train.gradient_accumulation_steps=1"], nproc=2).stdout
+    assert "expert parallelism: 4 experts per layer split over 2 ranks (2 each)" in out, out
+    one_dir = kit.cached_run(RECIPE, [*common(), "train.gradient_accumulation_steps=2"])
+    two, one = kit.read_metrics(tmp_path), kit.read_metrics(one_dir)
+    assert [m["samples"] for m in two] == [m["samples"] for m in one] and len(two) >= 4
+    differences = {key: max(abs(a[key] - b[key]) for a, b in zip(two, one)) for key in ("loss", "aux_loss",
+                                                                                          "grad_norm")}
+    weights = kit.max_weight_difference(kit.final_weights(tmp_path), kit.final_weights(one_dir))
+    print(f"{sharding}: {differences}, weights {weights}")
+    assert differences["loss"] <= 1e-5 and differences["aux_loss"] <= 1e-5 and differences["grad_norm"] <= 1e-4
+    assert weights <= 1e-5, f"parameters differ by {weights}"
+    loads = [(a, b) for x, y in zip(two, one) for a, b in zip(x["expert_load"], y["expert_load"], strict=True)]
+    assert max(abs(a - b) for a, b in loads) <= 1e-3  # rounded to 4 places
+
+
+def _model(experts: int):
+    module = SimpleNamespace(num_experts=experts, _is_expert_parallel=False)
+    return SimpleNamespace(named_modules=lambda: [("layers.0.mlp.experts", module)])
+
+
+def test_an_ep_size_that_does_not_divide_the_world_or_the_experts_or_a_model_without_experts_is_one_line():
+    with pytest.raises(ConfigError, match=r"^train.expert_parallel_size=2 does not divide the 3 processes"):
+        check_expert_parallel(2, 3, _model(4))
+    with pytest.raises(ConfigError, match=r"^train.expert_parallel_size=3 does not divide the 4 experts of "
+                                          r"layers.0.mlp.experts$"):
+        check_expert_parallel(3, 3, _model(4))
+    dense = kit.load_recipe("qwen3_5").build_model(kit.compose_config("qwen3_5").model, "sdpa")
+    with pytest.raises(ConfigError, match=r"^train.expert_parallel_size=2 needs a mixture-of-experts model: "
+                                          r"Qwen3_5ForConditionalGeneration has no experts$"):
+        check_expert_parallel(2, 2, dense)
+    check_expert_parallel(2, 4, _model(4))  # 2 replicas of each half
