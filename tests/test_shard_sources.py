@@ -2,7 +2,8 @@
 
 The same eight records (images and text only) written as WebDataset tar shards (a brace pattern over two shards,
 images as members: half named by the record, half by extension only) and as a folder of parquet files train the
-same packs, steps (estimated == actual) and losses as the JSONL. ``tools/check_data.py`` reads a tar shard holding
+same packs, steps (estimated == actual) and losses as the JSONL; a folder of Arrow files reads the JSONL's records,
+each named by its file and row. ``tools/check_data.py`` reads a tar shard holding
 every kind of bad member and names each by ``shard.tar#key``. Two pooled ranks measure a set of shards together:
 each shard once (the encoder's calls counted on both ranks), and a second start measures none.
 """
@@ -186,3 +187,23 @@ def test_two_ranks_measure_each_shard_once_and_a_warm_start_measures_none(tmp_pa
             assert sum(origin.startswith(f"{shard}#") for origin in result["cold"]) == per_shard
         assert result["warm"] == []
         assert result["lengths"] == result["again"] == [5 + i for i in range(len(records))]
+
+
+def test_a_folder_of_arrow_files_reads_the_records_of_each_file_by_file_and_row(rows, images, tmp_path):
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_list([{"image": None, **row} for row in rows]).save_to_disk(str(saved), num_shards=2)
+    folder = tmp_path / "arrow"
+    folder.mkdir()
+    files = sorted(saved.glob("*.arrow"))
+    for file in files:  # the data files alone: a folder of Arrow shards, no longer a saved data set
+        (folder / file.name).write_bytes(file.read_bytes())
+    assert source_kind(folder) == "arrow_shards"
+    spec = MLLMDataSpec(sources=[str(folder)], image_root=str(images), cache_dir=str(tmp_path / "cache"))
+    store = MLLMDataKit.open_store(spec)
+    jsonl = tmp_path / "data.jsonl"
+    jsonl.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    reference = MLLMDataKit.open_store(MLLMDataSpec(sources=[str(jsonl)], image_root=str(images),
+                                                    cache_dir=str(tmp_path / "cache")))
+    assert [store[i].messages for i in range(len(store))] == [reference[i].messages for i in range(len(rows))]
+    half = len(rows) // 2
+    assert [store.origin(i) for i in (0, half)] == [f"{folder / files[0].name}#1", f"{folder / files[1].name}#1"]
