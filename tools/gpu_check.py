@@ -26,6 +26,8 @@ Probes, each on the recipes' tiny models:
   flash-linear-attention is installed) against the exact torch reference per sample; SKIP without fla.
 - ``nccl-group-timeout``: a one-rank NCCL group made with ``parallel.group_timeout_options`` waits the run's
   ``train.dist_timeout_s``.
+- ``fused-losses``: ``train.loss_impl=liger`` / ``cce`` (where installed) against ``chunked``: loss and
+  gradients with per-sample weights, fp32, within 1e-4; SKIP when neither package is installed.
 - ``train``: a short packed bf16 training (a fresh process): tokens/s and MFU from its ``summary.json``. On a tiny
   model the MFU says more about the step's overhead than about the GPU.
 """
@@ -360,6 +362,68 @@ def nccl_group_timeout() -> Probe:
     return Probe("nccl-group-timeout", run)
 
 
+def fused_losses(length: int = 4096, hidden_size: int = 256, vocab: int = 151936) -> Probe:
+    """``train.loss_impl=liger`` / ``cce`` against ``chunked`` (gpu_losses.py): loss and the gradients of the
+    hidden states and the head's weight on packed rows with per-sample weights (``sample``: the per-token upstream
+    gradients Liger got wrong before 0.8.2), fp32 without TF32, within 1e-4 relative; each kernel's peak memory
+    over the inputs beside chunked's. SKIP when neither package is installed."""
+    def run(ctx: Context) -> str:
+        from mvp_engine.engine import gpu_losses
+        from mvp_engine.engine.config import ConfigError
+        from mvp_engine.engine.linear_loss import chunked_token_loss, supervised_rows
+
+        available = []
+        for impl in gpu_losses.PACKAGES:
+            try:
+                gpu_losses._package(impl)
+                available.append(impl)
+            except ConfigError as err:
+                missing = str(err)
+        if not available:
+            raise Skipped(missing)
+        generator = torch.Generator(device="cuda").manual_seed(0)
+        seg = torch.arange(length, device="cuda").div(length // 8, rounding_mode="floor").unsqueeze(0)
+        labels = torch.randint(0, vocab, (1, length), device="cuda", generator=generator)
+        labels[:, :: length // 8] = -100  # each sample's first position unsupervised
+        head = torch.nn.Linear(hidden_size, vocab, bias=False, device="cuda")
+        torch.nn.init.normal_(head.weight, std=hidden_size ** -0.5, generator=generator)
+        hidden = torch.randn(1, length, hidden_size, device="cuda", generator=generator).requires_grad_()
+        found, out = {}, []
+        with exact_fp32():
+            for impl in ("chunked", *available):
+                hidden.grad = head.weight.grad = None
+                torch.cuda.synchronize()
+                before = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                if impl == "chunked":
+                    part = chunked_token_loss(hidden, head, labels, seg, "sample")
+                else:
+                    rows, targets, _, flat = supervised_rows(hidden, labels)
+                    part = gpu_losses.fused_token_loss(impl, rows, targets, flat, head, labels, seg, "sample", None,
+                                                       None)
+                loss = part.weighted_sum / part.weight_total
+                loss.backward()
+                torch.cuda.synchronize()
+                found[impl] = (float(loss), hidden.grad.clone(), head.weight.grad.clone(),
+                               (torch.cuda.max_memory_allocated() - before) / 2**20)
+        reference = found["chunked"]
+        worst = 0.0
+        for impl in available:
+            loss, grad_hidden, grad_weight, peak = found[impl]
+            diffs = [abs(loss - reference[0]) / abs(reference[0]),
+                     float((grad_hidden - reference[1]).abs().max() / reference[1].abs().max()),
+                     float((grad_weight - reference[2]).abs().max() / reference[2].abs().max())]
+            worst = max(worst, *diffs)
+            out.append(f"{impl}: loss {diffs[0]:.1e}, grad hidden {diffs[1]:.1e}, grad weight {diffs[2]:.1e}, "
+                       f"peak {peak:.0f} MiB")
+        out.append(f"chunked peak {reference[3]:.0f} MiB ({length} x {vocab}, 8 samples, sample weights)")
+        if worst > 1e-4:
+            raise AssertionError("; ".join(out))
+        return "; ".join(out)
+
+    return Probe("fused-losses", run)
+
+
 def train_probe(recipe: str, overrides: list[str]) -> Probe:
     def run(ctx: Context) -> str:
         summary = train_run(ctx, recipe, "train", 1, overrides, timeout=240)
@@ -381,6 +445,7 @@ def probes(train_recipe: str = "qwen2_vl", train_overrides: tuple[str, ...] = ()
 
     return [*packed(FAMILIES[:3]), flex_recompiles(), memory_probe("qwen2_vl", None),
             memory_probe("gemma3", "flex_attention"), host_syncs(), linear_attention_kernel(), nccl_group_timeout(),
+            fused_losses(),
             train_probe(train_recipe, list(train_overrides)),
             two_rank_probe("cp2", "qwen2_5_vl", ["train.context_parallel_size=2"]),
             two_rank_probe("fsdp2-2ranks", "qwen2_vl", ["train.sharding=fsdp2"]), *packed(FAMILIES[3:])]

@@ -27,7 +27,8 @@ from torch.utils.checkpoint import checkpoint
 from mvp_engine.kit.mllm.data import IGNORE_INDEX
 from mvp_engine.packing import unwrap_model
 
-from .config import ConfigError, TrainSpec
+from . import gpu_losses  # a module: gpu_losses reads .config, which may be importing this one
+from .config import GPU_LOSS_IMPLS, ConfigError, TrainSpec
 from .loss import WeightedTokenLoss, shifted_targets, token_weights
 
 FULL = "train.loss_impl=full"
@@ -121,11 +122,13 @@ def chunked_token_logprobs(hidden: torch.Tensor, head: torch.nn.Module, labels: 
 class HeadInputs:
     """Entered around one forward of ``model``: keeps the hidden states the model hands its output head and lets it
     project only each row's first position. Then :meth:`loss` or :meth:`token_logprobs`, given that forward's
-    ``logits``, run the chunked path; call them under the forward's autocast, so the head computes in the same
+    ``logits``, run the chunked path (``impl`` liger or cce: :meth:`loss` through that fused kernel,
+    ``gpu_losses.py``); call them under the forward's autocast, so the head computes in the same
     precision it did inside the forward."""
 
-    def __init__(self, model):
+    def __init__(self, model, impl: str = "chunked"):
         inner = unwrap_model(model)
+        self.impl = impl
         self.head = inner.get_output_embeddings()
         if self.head is None:
             raise ConfigError(f"train.loss_impl=chunked: {type(inner).__name__} names no output head "
@@ -133,6 +136,8 @@ class HeadInputs:
         if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.head.modules()):
             raise ConfigError("train.loss_impl=chunked: the output head has dropout (an adapter on it with "
                               f"model.lora.dropout > 0), which each chunk would draw anew; set it to 0 or use {FULL}")
+        if impl in GPU_LOSS_IMPLS:
+            gpu_losses.check_head(self.head, impl)
         self.softcap = getattr(inner.config.get_text_config(), "final_logit_softcapping", None)
         self.model_name = type(inner).__name__
         self.kept: list[torch.Tensor] = []
@@ -172,8 +177,14 @@ class HeadInputs:
         """:func:`chunked_token_loss` of the forward that returned ``logits``. Zero times those logits is added, so
         the head and every layer below it take part in the backward (with zero gradients) on a micro-batch with
         nothing supervised, as the full logits made them."""
-        part = chunked_token_loss(self.hidden(logits), self.head, labels, segment_ids, reduction, span,
-                                  chunk_tokens, self.softcap)
+        hidden = self.hidden(logits)
+        if self.impl in GPU_LOSS_IMPLS:  # train.loss_impl=liger | cce: a fused kernel over the same rows
+            rows, targets, _, flat = supervised_rows(hidden, labels, span)
+            part = gpu_losses.fused_token_loss(self.impl, rows, targets, flat, self.head, labels, segment_ids,
+                                               reduction, span, self.softcap)
+        else:
+            part = chunked_token_loss(hidden, self.head, labels, segment_ids, reduction, span, chunk_tokens,
+                                      self.softcap)
         return WeightedTokenLoss(part.weighted_sum + logits.float().sum() * 0.0, part.weight_total)
 
     def token_logprobs(self, logits: torch.Tensor, labels: torch.Tensor, span: tuple[int, int] | None = None,

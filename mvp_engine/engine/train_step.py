@@ -113,7 +113,7 @@ class TrainStep:
         if self.train.loss_impl == "full":
             outputs, dummy = self.forward(model, batch)
             return weighted_token_loss(outputs.logits, labels, segments, reduction, span), dummy
-        with HeadInputs(model) as head:
+        with HeadInputs(model, self.train.loss_impl) as head:
             outputs, dummy = self.forward(model, batch)
         with self.forward_autocast(model)():
             return head.loss(outputs.logits, labels, segments, reduction, span, self.train.loss_chunk_tokens), dummy
