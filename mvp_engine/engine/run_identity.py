@@ -36,7 +36,7 @@ ELASTIC = {
     # how the same math is laid out: loader processes, sharding (DCP reshards), when FSDP2 reduce-scatters,
     # recomputation
     "train.num_workers", "train.num_threads", "train.sharding", "train.grad_sync", "train.activation_checkpointing",
-    "attention",
+    "attention", "train.offload",
     # how long a collective waits; and whether kernels repeat bit for bit: deterministic kernels compute the same
     # objective in a fixed order (a nondeterministic run already differs in its last bits from run to run), so
     # switching it on to check a resumed run is the same run
