@@ -200,6 +200,42 @@ class DemoSpec:
     videos: bool = False  # add short generated clips to the mix (a recipe whose encoder takes video sets it)
 
 
+LOSS_TYPES = ("sigmoid", "ipo", "hinge", "simpo")  # dpo.loss_type
+REFERENCES = ("adapters_off", "copy", "precomputed")  # dpo.reference
+
+
+@dataclass
+class PreferenceSpec:
+    """``dpo.*`` (``conf/dpo/default.yaml``; the losses and the reference: ``preference.py``). Here beside the other
+    specs so ``register_configs`` holds it as the dpo group's schema."""
+
+    loss_type: str = "sigmoid"
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    sft_weight: float = 0.0
+    simpo_gamma: float = 0.5
+    reference: str = "adapters_off"
+    shared_prefix: bool = True  # false: each answer after its own copy of the prompt (pairs.PairEncoder)
+
+    def __post_init__(self) -> None:
+        if self.loss_type not in LOSS_TYPES:
+            raise ConfigError(f"dpo.loss_type={self.loss_type!r} is invalid: allowed one of {list(LOSS_TYPES)}")
+        if self.reference not in REFERENCES:
+            raise ConfigError(f"dpo.reference={self.reference!r} is invalid: allowed one of {list(REFERENCES)}")
+        if self.reference == "precomputed":
+            raise ConfigError("dpo.reference=precomputed is not implemented yet: use adapters_off (LoRA) or copy")
+        if not self.beta > 0:
+            raise ConfigError(f"dpo.beta={self.beta!r} is invalid: allowed a float > 0")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise ConfigError(f"dpo.label_smoothing={self.label_smoothing!r} is invalid: allowed [0, 0.5)")
+        if self.sft_weight < 0:
+            raise ConfigError(f"dpo.sft_weight={self.sft_weight!r} is invalid: allowed a float >= 0")
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.loss_type != "simpo"
+
+
 # every linear layer of each decoder layer's attention (full or linear) and MLP
 LANGUAGE_MODEL_TARGETS = ("*language_model.layers.*_attn", "*language_model.layers.*.mlp")
 
@@ -330,8 +366,6 @@ def register_configs() -> None:
     cs.store(group="demo", name="demo_schema", node=DemoSpec)
     cs.store(group="data", name="data_schema", node=schema_without(MLLMDataSpec, "packing"))
     cs.store(group="model/lora", name="lora_schema", node=LoraSpec)
-    from .preference import PreferenceSpec  # here, not at the top: preference.py reads this module's specs
-
     cs.store(group="dpo", name="dpo_schema", node=PreferenceSpec)
 
 

@@ -38,46 +38,12 @@ from mvp_engine.kit.mllm.data.pairs import BRANCH_FIELD, CHOSEN, REJECTED, PairE
 from mvp_engine.kit.mllm.data.preference_sources import read_preference_records
 from mvp_engine.packing import takes_varlen_kwargs, unwrap_model
 
-from .config import ConfigError, RunSpecs, _to_object
+from .config import ConfigError, PreferenceSpec, RunSpecs, _to_object
 from .linear_loss import CHUNK_TOKENS, HeadInputs
 from .loss import WeightedTokenLoss
 
-OBJECTIVES = ("sft", "dpo")  # train.objective
-LOSS_TYPES = ("sigmoid", "ipo", "hinge", "simpo")
-REFERENCES = ("adapters_off", "copy", "precomputed")
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy", "logps/chosen",
            "logps/rejected")
-
-
-@dataclass
-class PreferenceSpec:
-    """``dpo.*`` (module docstring)."""
-
-    loss_type: str = "sigmoid"
-    beta: float = 0.1
-    label_smoothing: float = 0.0
-    sft_weight: float = 0.0
-    simpo_gamma: float = 0.5
-    reference: str = "adapters_off"
-    shared_prefix: bool = True  # false: each answer after its own copy of the prompt (pairs.PairEncoder)
-
-    def __post_init__(self) -> None:
-        if self.loss_type not in LOSS_TYPES:
-            raise ConfigError(f"dpo.loss_type={self.loss_type!r} is invalid: allowed one of {list(LOSS_TYPES)}")
-        if self.reference not in REFERENCES:
-            raise ConfigError(f"dpo.reference={self.reference!r} is invalid: allowed one of {list(REFERENCES)}")
-        if self.reference == "precomputed":
-            raise ConfigError("dpo.reference=precomputed is not implemented yet: use adapters_off (LoRA) or copy")
-        if not self.beta > 0:
-            raise ConfigError(f"dpo.beta={self.beta!r} is invalid: allowed a float > 0")
-        if not 0 <= self.label_smoothing < 0.5:
-            raise ConfigError(f"dpo.label_smoothing={self.label_smoothing!r} is invalid: allowed [0, 0.5)")
-        if self.sft_weight < 0:
-            raise ConfigError(f"dpo.sft_weight={self.sft_weight!r} is invalid: allowed a float >= 0")
-
-    @property
-    def needs_reference(self) -> bool:
-        return self.loss_type != "simpo"
 
 
 @dataclass
