@@ -23,7 +23,7 @@ from mvp_engine.engine.testkit.flops import _grouped_mm_flop
 from mvp_engine.engine.testkit.suites import shared_case
 
 # recipe -> its text config's key for the number of routed experts
-MOE_RECIPES = {"qwen3_5_moe": "num_experts", "glm4v_moe": "n_routed_experts"}
+MOE_RECIPES = {"qwen3_5_moe": "num_experts", "qwen3_vl_moe": "num_experts", "glm4v_moe": "n_routed_experts"}
 
 
 def lm_token_forward(name: str, **text: int) -> tuple[int, object]:
