@@ -24,6 +24,7 @@ from mvp_engine.packing import ATTENTION_BACKENDS, BACKENDS
 
 from ..config import AUTO_ATTENTION, ConfigError, check_attention, resolve_attention
 from ..lora import LoraSpec
+from . import experts
 
 
 def backend_params(backends, training: bool) -> list:
@@ -150,6 +151,25 @@ class EquivalenceSuite(RecipeSuite):
 
     def test_dummy_media_pass_reaches_every_media_parameter_with_zero(self, case):
         assert kit.check_dummy_media_pass(case) > 0
+
+
+class ExpertsSuite(RecipeSuite):
+    """A mixture-of-experts recipe's own checks on its equivalence case (``testkit.experts``): every experts
+    implementation this CPU runs computes the same logits and expert gradients, and the model's own aux loss stays
+    off in the recipe's kwargs."""
+
+    covers = ()  # beyond the coverage table's features
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def case(cls, tmp_path_factory):
+        return shared_case(cls.recipe, tmp_path_factory)
+
+    def test_experts_implementations_agree(self, case):
+        print(experts.check_experts_implementations_agree(case))
+
+    def test_the_models_own_aux_loss_stays_off(self, case):
+        experts.check_model_aux_loss_stays_off(case)
 
 
 class DistributedSuite(RecipeSuite):
