@@ -24,7 +24,7 @@ def common() -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.launch
-@pytest.mark.parametrize("sharding", ["none"])
+@pytest.mark.parametrize("sharding", ["none", "fsdp2"])
 def test_experts_split_over_two_ranks_train_what_one_rank_accumulating_two_trains(sharding, tmp_path):
     out = kit.train(RECIPE, tmp_path, [*common(), f"train.sharding={sharding}", "train.expert_parallel_size=2",
                                        "train.gradient_accumulation_steps=1"], nproc=2).stdout

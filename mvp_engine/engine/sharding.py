@@ -120,7 +120,11 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     if split is not None:
         squares = squares + split.to(squares.device)
     total = squares.sqrt().float()
-    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+    meshes: dict = {}  # one call per device mesh: torch's foreach ops cannot take DTensors of several meshes
+    for p in parameters:  # (experts split over ranks are sharded over their replicas' mesh: expert_parallel.py)
+        meshes.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    for group_parameters in meshes.values():
+        torch.nn.utils.clip_grads_with_norm_(group_parameters, max_norm, total)
     return total
 
 
