@@ -3,7 +3,8 @@
 The same eight records (images and text only) written as WebDataset tar shards (a brace pattern over two shards,
 images as members: half named by the record, half by extension only) and as a folder of parquet files train the
 same packs, steps (estimated == actual) and losses as the JSONL; a folder of Arrow files reads the JSONL's records,
-each named by its file and row. ``tools/check_data.py`` reads a tar shard holding
+each named by its file and row; a resume over a shard pattern (named by its folder) is refused once a shard is
+added. ``tools/check_data.py`` reads a tar shard holding
 every kind of bad member and names each by ``shard.tar#key``. Two pooled ranks measure a set of shards together:
 each shard once (the encoder's calls counted on both ranks), and a second start measures none.
 """
@@ -20,6 +21,8 @@ import datasets
 import pytest
 
 import mvp_engine.engine.testing as kit
+from mvp_engine.engine.config import ConfigError, resolve_run_specs
+from mvp_engine.engine.run_identity import check_identity, run_identity
 from mvp_engine.engine.testkit.runs import run_on_ranks
 from mvp_engine.engine.trainer import Trainer
 from mvp_engine.kit.mllm.data import MLLMDataSpec, source_kind
@@ -207,3 +210,19 @@ def test_a_folder_of_arrow_files_reads_the_records_of_each_file_by_file_and_row(
     assert [store[i].messages for i in range(len(store))] == [reference[i].messages for i in range(len(rows))]
     half = len(rows) // 2
     assert [store.origin(i) for i in (0, half)] == [f"{folder / files[0].name}#1", f"{folder / files[1].name}#1"]
+
+
+def test_a_resume_over_a_shard_pattern_is_refused_once_a_shard_is_added(rows, tmp_path):
+    folder = tmp_path / "shards"
+    write_shards(folder, rows[:4], shards=2)
+
+    def identity() -> dict:
+        cfg = kit.compose_config(RECIPE, [f"data.sources=['{folder}/*.tar']"])
+        return run_identity(RECIPE, resolve_run_specs(cfg, kit.load_recipe(RECIPE).attention_backends))
+
+    before = identity()
+    assert check_identity(before, identity(), tmp_path) is None
+    write_shards(tmp_path / "more", rows[4:], shards=1)
+    (tmp_path / "more" / "shard-0.tar").rename(folder / "shard-2.tar")  # the pattern now matches a third shard
+    with pytest.raises(ConfigError, match="data source 'shards' changed"):
+        check_identity(before, identity(), tmp_path)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from mvp_engine.kit.mllm.data import MLLMDataSpec
+from mvp_engine.kit.mllm.data.shards import is_pattern, shard_files
 from mvp_engine.kit.mllm.data.store import content_identity, digest
 
 from .config import ConfigError, RunSpecs
@@ -150,11 +151,13 @@ def _sources(entries, data: MLLMDataSpec) -> list[dict]:
 
 def _content(path: str) -> str | None:
     """A file's :func:`content_identity`; of every file under a folder (a saved data set, a model folder), by name
-    relative to it; None for a name that is no path (a hub name: the name is all there is)."""
+    relative to it; of every shard a pattern matches (a shard source: a shard added, gone or changed moves the
+    plan); None for a name that is no path (a hub name: the name is all there is)."""
     if os.path.isfile(path):
         return digest(content_identity(path))
     if not os.path.isdir(path):
-        return None
+        shards = shard_files(path) if is_pattern(path) else None
+        return None if shards is None else digest([[f, content_identity(f)] for f in shards[1]])
     files = sorted(Path(root) / name for root, _, names in os.walk(path) for name in names)
     return digest([[str(p.relative_to(path)), content_identity(p)] for p in files])
 

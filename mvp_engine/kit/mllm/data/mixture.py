@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from .shards import is_pattern
+
 SOURCE_KEYS = ("path", "repeat", "name", "image_root")
 
 
@@ -85,10 +87,12 @@ def _default_names(paths: list[str], taken: set[str]) -> list[str | None]:
 
 def _tails(path: str) -> list[str]:
     """Candidate names of a source, shortest first: its stem, then the stem under 1, 2, ... parent folders, then
-    the file name with its suffix under 0, 1, ... folders (the absolute path: two spellings of one file agree)."""
+    the file name with its suffix under 0, 1, ... folders (the absolute path: two spellings of one file agree).
+    A shard pattern (``/data/cc/shard-{0000..0999}.tar``) is named by its folder first (``cc``, ``data/cc``)."""
     *folders, file = Path(os.path.abspath(path)).parts[1:]
-    return ["/".join([*folders[len(folders) - depth:], last])
-            for last in (Path(file).stem, file) for depth in range(len(folders) + 1)]
+    own = ["/".join(folders[len(folders) - depth:]) for depth in range(1, len(folders) + 1)] if is_pattern(file) else []
+    return own + ["/".join([*folders[len(folders) - depth:], last])
+                  for last in (Path(file).stem, file) for depth in range(len(folders) + 1)]
 
 
 def _entry(entry: Any, where: str) -> MLLMSource:
