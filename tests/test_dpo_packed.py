@@ -140,3 +140,16 @@ def test_bad_spec_is_one_line():
         PreferenceSpec(loss_type="kto")
     with pytest.raises(ValueError, match=r"^dpo\.reference=precomputed is not implemented"):
         PreferenceSpec(reference="precomputed")
+
+
+@pytest.mark.parametrize("name,backend", [("llava", "sdpa_varlen"), ("qwen2_vl", "sdpa_varlen"), ("qwen3_5", "sdpa")])
+def test_duplicated_prefix_on_what_cannot_share_it(records, name, backend):
+    """Each conversation a segment of its own: varlen kernels and linear-attention layers (Qwen3.5) need nothing
+    more than their packed boundaries; the shared layout is refused there in one line."""
+    check_dpo_step(name, backend, PreferenceSpec(beta=0.5, shared_prefix=False), records)
+    recipe, model_cfg = load_recipe(name), compose_config(name).model
+    processor = recipe.build_processor(model_cfg)
+    encoder = PairEncoder(recipe.build_encoder(processor))
+    batch = collate_rows([[encoder.encode(records[0])]], recipe.pad_token_id(processor))
+    with pytest.raises(ValueError, match="cannot mask a preference pair's branches|not supported on models with"):
+        recipe.prepare_packed(batch, recipe.build_model(model_cfg, backend), backend)

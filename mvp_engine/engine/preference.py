@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from mvp_engine.kit.mllm.data import IGNORE_INDEX
 from mvp_engine.kit.mllm.data.pairs import BRANCH_FIELD, CHOSEN, REJECTED, PairEncoder, PreferenceRecord
 from mvp_engine.kit.mllm.data.preference_sources import read_preference_records
-from mvp_engine.packing import takes_varlen_kwargs, unwrap_model
+from mvp_engine.packing import has_layer_types, has_linear_attention, takes_varlen_kwargs, unwrap_model
 
 from .config import ConfigError, PreferenceSpec, RunSpecs, _to_object
 from .linear_loss import CHUNK_TOKENS, HeadInputs
@@ -82,7 +82,10 @@ def pair_logprobs(token_logprobs: torch.Tensor, labels: torch.Tensor, segment_id
     sums, counts = [], []
     for branch in (CHOSEN, REJECTED):
         mask = supervised & (target_branch == branch)
-        index = torch.searchsorted(pairs, owner[mask])
+        owners = owner[mask]
+        if branch == REJECTED:  # a duplicated-prefix pair's rejected conversation is the segment after its chosen one
+            owners = torch.where(torch.isin(owners, pairs), owners, owners - 1)
+        index = torch.searchsorted(pairs, owners)
         sums.append(token_logprobs.new_zeros(len(pairs)).index_add(0, index, token_logprobs[mask]))
         counts.append(torch.zeros(len(pairs), dtype=token_logprobs.dtype, device=pairs.device)
                       .index_add_(0, index, torch.ones_like(token_logprobs[mask])))
@@ -218,12 +221,21 @@ def preference_spec(cfg, specs: RunSpecs) -> PreferenceSpec | None:
         raise ConfigError("train.objective=dpo with train.context_parallel_size > 1 is not supported yet")
     if specs.data.eval_sources:
         raise ConfigError("train.objective=dpo does not evaluate data.eval_sources yet: leave it empty")
-    if takes_varlen_kwargs(specs.attention):
-        if str(cfg.attention.implementation) != "auto":
-            raise ConfigError(f"attention.implementation={specs.attention} cannot keep a pair's two answers apart "
-                              "(varlen kernels take one causal span per segment): use sdpa, eager or flex_attention")
-        specs.attention, specs.attention_why = "sdpa", "train.objective=dpo: pairs need a mask, not varlen spans"
+    if takes_varlen_kwargs(specs.attention) and str(cfg.attention.implementation) == "auto" and spec.shared_prefix:
+        specs.attention, specs.attention_why = "sdpa", "train.objective=dpo: a shared prefix needs a mask"
     return spec
+
+
+def prefix_obstacle(model, attention: str) -> str | None:
+    """Why ``model`` on ``attention`` cannot keep two continuations of one segment apart (None: it can): then each
+    pair is laid out as its two conversations (the prefix duplicated), which every packed path computes exactly."""
+    if has_linear_attention(model):
+        return "its linear-attention layers carry a recurrent state along the segment"
+    if has_layer_types(unwrap_model(model).config.get_text_config()):
+        return "its sliding windows count row indices, not positions"
+    if takes_varlen_kwargs(attention):
+        return f"{attention} takes one causal span per segment"
+    return None
 
 
 def read_pairs(specs: RunSpecs, on_bad: Callable | None = None) -> list[PreferenceRecord]:
@@ -234,10 +246,16 @@ def read_pairs(specs: RunSpecs, on_bad: Callable | None = None) -> list[Preferen
                                                 max_record_bytes=data.max_record_bytes, media_roots=data.media_roots)]
 
 
-def pair_dataset(specs: RunSpecs, spec: PreferenceSpec, encoder, build: Callable):
+def pair_dataset(specs: RunSpecs, spec: PreferenceSpec, encoder, build: Callable, model,
+                 announce: Callable[[str], None] = print):
     """The run's dataset over its pairs: ``build(encoder, records)`` (``run.build_run_dataset``) with the recipe's
-    encoder wrapped in a :class:`PairEncoder`; pairs the reader refused are the dataset's bad records (stage
-    ``read``), or stop the run under ``data.on_bad_record=error``."""
+    encoder wrapped in a :class:`PairEncoder`, the prefix duplicated where ``model`` cannot share it (said through
+    ``announce``); pairs the reader refused are the dataset's bad records (stage ``read``), or stop the run under
+    ``data.on_bad_record=error``."""
+    obstacle = prefix_obstacle(model, specs.attention) if spec.shared_prefix else None
+    if obstacle is not None:
+        spec.shared_prefix = False
+        announce(f"dpo: each pair's prefix duplicated per answer ({obstacle})")
     refused = []
     pairs = read_pairs(specs, refused.append if specs.data.on_bad_record == "skip" else None)
     dataset = build(PairEncoder(encoder, spec.shared_prefix), pairs)

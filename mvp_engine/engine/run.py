@@ -172,7 +172,8 @@ def _assemble(cfg: DictConfig, recipe: Recipe, specs: RunSpecs, purpose: str) ->
             run.dataset = build_run_dataset(specs, encoder, run.cost_profile, layout.dp_rank, layout.dp_size)
         else:  # train.objective=dpo: the sources hold preference pairs, one packing item each
             run.dataset = pair_dataset(specs, preference, encoder, lambda pair_encoder, pairs: build_run_dataset(
-                specs, pair_encoder, run.cost_profile, layout.dp_rank, layout.dp_size, records=pairs))
+                specs, pair_encoder, run.cost_profile, layout.dp_rank, layout.dp_size, records=pairs), model,
+                accelerator.print)
     # packed metadata (positions, M-RoPE included, cu_seqlens, spans) computed where the batches are collated, on the
     # CPU in the loader's workers, so the step reads no device value back to build its kwargs
     run.collator = run_collator(recipe.pad_token_id(processor), specs, layout.cp_size,

@@ -23,14 +23,16 @@ from .segments import segment_run_ids
 
 
 def batch_branches(batch: Mapping[str, Any]) -> torch.Tensor | None:
-    """The batch's (B, L) branch ids, or None when it holds no pair (the field absent or all 0)."""
-    branches = batch.get(BRANCH_FIELD)
+    """The batch's (B, L) branch ids where a segment holds more than one branch (a pair sharing its prefix), else
+    None: no pair, or only pairs laid out as two segments (their masks and positions are the plain ones)."""
+    branches, segment_ids = batch.get(BRANCH_FIELD), batch["pack_segment_ids"]
     if branches is None or not bool((branches != PREFIX).any()):
         return None
-    if branches.shape != batch["pack_segment_ids"].shape:
+    if branches.shape != segment_ids.shape:
         raise ValueError(f"{BRANCH_FIELD} {tuple(branches.shape)} and pack_segment_ids "
-                         f"{tuple(batch['pack_segment_ids'].shape)} differ")
-    return branches
+                         f"{tuple(segment_ids.shape)} differ")
+    within = (branches[:, 1:] != branches[:, :-1]) & (segment_ids[:, 1:] == segment_ids[:, :-1])
+    return branches if bool(within.any()) else None
 
 
 def branch_position_offsets(segment_ids: torch.Tensor, branches: torch.Tensor) -> torch.Tensor:

@@ -365,7 +365,7 @@ class _PackedDatasetBase:
         samples, effective tokens and supervised tokens per source (one row each), for the per-source summary."""
         lengths = self.plan(epoch).lengths
         measured = self.metas.length
-        samples, bad, kept = [], [], []
+        samples, bad, kept, segment_sources = [], [], [], []
         for i, source in zip(record_indices, self.source_of(np.asarray(record_indices, dtype=np.int64)).tolist()):
             record = self.records[i]
             try:
@@ -375,9 +375,11 @@ class _PackedDatasetBase:
                 continue
             samples.append(sample.truncated(lengths[i]) if lengths[i] < sample.length else sample)
             kept.append(source)
+            segment_sources.extend([source] * (len(sample.parts) or 1))  # a duplicated-prefix pair: two segments
         inputs = MLLMPack(samples, self.media_handler).to_model_inputs()
         inputs["bad_records"] = bad
-        inputs["source_counts"] = _source_counts(torch.tensor(kept, dtype=torch.long), inputs, len(self.sources))
+        inputs["source_counts"] = _source_counts(torch.tensor(kept, dtype=torch.long), inputs, len(self.sources),
+                                                 torch.tensor(segment_sources, dtype=torch.long))
         return inputs
 
     def estimate_total_steps(self, epochs: int, micro_batch_size: int | None = None,
@@ -405,10 +407,12 @@ def _mixture(records: list[MLLMRecord] | RecordStore, spec: MLLMDataSpec) -> tup
     return [MLLMSource(path=name, name=name)], np.asarray([0, len(records)], dtype=np.int64)
 
 
-def _source_counts(sources: torch.Tensor, inputs: dict, num_sources: int) -> torch.Tensor:
+def _source_counts(sources: torch.Tensor, inputs: dict, num_sources: int,
+                   segment_sources: torch.Tensor | None = None) -> torch.Tensor:
     """``(num_sources, 3)``: samples, effective tokens, supervised tokens of one pack per source, from its segment
-    ids and labels (the first label of each segment already ignored) and ``sources``, each sample's source."""
-    tokens = sources[inputs["pack_segment_ids"]]
+    ids and labels (the first label of each segment already ignored), ``sources``, each sample's source, and
+    ``segment_sources``, each segment's (default: ``sources``, one segment per sample)."""
+    tokens = (sources if segment_sources is None else segment_sources)[inputs["pack_segment_ids"]]
     supervised = tokens[inputs["labels"] != IGNORE_INDEX]
     return torch.stack([torch.bincount(t, minlength=num_sources) for t in (sources, tokens, supervised)], dim=1)
 

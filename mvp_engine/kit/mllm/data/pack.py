@@ -34,40 +34,48 @@ class MLLMPack:
     def length(self) -> int:
         return sum(s.length for s in self.samples)
 
+    @property
+    def segments(self) -> list[MLLMSample]:
+        """What the row holds one segment each: every sample, a preference pair with its prefix duplicated as its
+        two conversations (``MLLMSample.parts``)."""
+        return [part for s in self.samples for part in (s.parts or (s,))]
+
     def to_model_inputs(self) -> dict:
         """Flat per-pack fields: token fields of the pack's length, segment boundaries and merged media.
 
         The first label of every segment is ignored so no sample learns to predict the next one's first token.
         """
-        lengths = torch.tensor([s.length for s in self.samples], dtype=torch.long)
-        if self.samples:
-            input_ids = torch.cat([s.input_ids for s in self.samples]).long()
-            labels = torch.cat([s.labels for s in self.samples]).long().clone()
+        segments = self.segments
+        lengths = torch.tensor([s.length for s in segments], dtype=torch.long)
+        if segments:
+            input_ids = torch.cat([s.input_ids for s in segments]).long()
+            labels = torch.cat([s.labels for s in segments]).long().clone()
         else:
             input_ids = labels = torch.zeros(0, dtype=torch.long)
-        cu_seqlens = torch.zeros(len(self.samples) + 1, dtype=torch.int32)
+        cu_seqlens = torch.zeros(len(segments) + 1, dtype=torch.int32)
         cu_seqlens[1:] = torch.cumsum(lengths, 0)
         labels[cu_seqlens[:-1].long()] = IGNORE_INDEX
         inputs = {
             "input_ids": input_ids,
             "labels": labels,
-            "pack_segment_ids": torch.repeat_interleave(torch.arange(len(self.samples)), lengths),
-            "position_ids": torch.cat([sample_positions(s) for s in self.samples]) if self.samples
+            "pack_segment_ids": torch.repeat_interleave(torch.arange(len(segments)), lengths),
+            "position_ids": torch.cat([sample_positions(s) for s in segments]) if segments
             else torch.zeros(0, dtype=torch.long),
             "source_sample_num": len(self.samples),
             "cu_seqlens": cu_seqlens,
-            "max_seqlen": int(lengths.max()) if self.samples else 0,
+            "max_seqlen": int(lengths.max()) if segments else 0,
             "media_tokens": sum(s.media_tokens for s in self.samples),
             "sample_ids": [s.sample_id for s in self.samples],
         }
         inputs.update(self.token_fields())
-        inputs.update(self.media_handler.merge_pack(self.samples))
+        inputs.update(self.media_handler.merge_pack(segments))
         return inputs
 
     def token_fields(self) -> dict[str, torch.Tensor]:
-        """Every ``token_fields`` entry any sample carries, concatenated; a sample without it gets the field's
+        """Every ``token_fields`` entry any segment carries, concatenated; a segment without it gets the field's
         inactive value (``TOKEN_FIELD_PADS``)."""
-        names = sorted({name for s in self.samples for name in s.token_fields})
+        segments = self.segments
+        names = sorted({name for s in segments for name in s.token_fields})
         return {name: torch.cat([s.token_fields[name].long() if name in s.token_fields
                                  else torch.full((s.length,), TOKEN_FIELD_PADS[name], dtype=torch.long)
-                                 for s in self.samples]) for name in names}
+                                 for s in segments]) for name in names}

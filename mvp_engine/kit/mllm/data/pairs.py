@@ -17,9 +17,10 @@ continuation's target, and the first target after a branch change is unsupervise
 the segment id in the mask predicates, ``mvp_engine.packing.masks.same_branch_or_prefix``): a continuation sees the
 prefix and itself causally, never the other continuation.
 
-``shared_prefix=False`` lays both conversations out whole (``p = 0``: branch 1 then branch 2, positions restarting,
-the media twice): the duplicated prefix, for models whose layers cannot share one (a recurrent state, a position-
-indexed sliding window) and as the baseline the shared layout is measured against.
+``shared_prefix=False`` lays both conversations out whole, the media twice (``MLLMSample.parts``: a pack gives each
+its own segment, branch 1 and branch 2 throughout): the duplicated prefix, for models and backends that cannot keep
+two continuations of one segment apart (a recurrent state, a position-indexed sliding window, varlen kernels) and the
+baseline the shared layout is measured against. The planner still sees one item of the two lengths summed.
 
 Labels: only the final answer of each conversation is supervised (earlier assistant turns belong to the prompt).
 """
@@ -74,6 +75,15 @@ def final_answer_start(labels: torch.Tensor) -> int:
     last = int(supervised.nonzero()[-1])
     gaps = (~supervised[:last]).nonzero()
     return int(gaps[-1]) + 1 if gaps.numel() else 0
+
+
+def _part(sample: MLLMSample, labels: torch.Tensor, branch: int) -> MLLMSample:
+    """One conversation of a duplicated-prefix pair: ``sample`` with its answer-only ``labels``, all of it
+    ``branch``."""
+    return MLLMSample(input_ids=sample.input_ids, labels=labels, sample_id=sample.sample_id, media=sample.media,
+                      num_media=sample.num_media, media_tokens=sample.media_tokens, media_end=sample.media_end,
+                      media_sq=sample.media_sq, media_kinds=sample.media_kinds,
+                      token_fields={**sample.token_fields, BRANCH_FIELD: torch.full((sample.length,), branch)})
 
 
 def _bad(record: MLLMRecord, what: str, reason: str) -> MLLMRecordError:
@@ -175,12 +185,15 @@ class PairEncoder:
             other = rejected.token_fields[name] if rejected is not None else self._rejected_types(name, split)
             token_fields[name] = torch.cat([values, other[p:]])
         media, num_media, media_tokens, media_sq = chosen.media, chosen.num_media, chosen.media_tokens, chosen.media_sq
-        if rejected is not None:  # the duplicated prefix: both conversations' media, chosen's first
+        parts: tuple[MLLMSample, ...] = ()
+        if rejected is not None:  # the duplicated prefix: both conversations, each a segment of its own
             media = {key: torch.cat([value, rejected.media[key]]) for key, value in media.items()}
             num_media, media_tokens, media_sq = 2 * num_media, 2 * media_tokens, 2 * media_sq
+            parts = tuple(_part(conversation, answer_labels, branch) for conversation, (_, answer_labels), branch
+                          in ((chosen, split.chosen, CHOSEN), (rejected, split.rejected, REJECTED)))
         return MLLMSample(input_ids=ids, labels=labels, sample_id=record.record_id, media=media, num_media=num_media,
                           media_tokens=media_tokens, media_end=int(ids.numel()), media_sq=media_sq,
-                          token_fields=token_fields, media_kinds=chosen.media_kinds)
+                          token_fields=token_fields, media_kinds=chosen.media_kinds, parts=parts)
 
     def _rejected_types(self, name: str, split: _Split) -> torch.Tensor:
         """A token field of the rejected conversation (text-only past the prefix: its modality map)."""

@@ -103,6 +103,9 @@ class MLLMSample:
     media_sq: int = 0  # see SampleMeta.media_sq
     token_fields: dict[str, torch.Tensor] = field(default_factory=dict)
     media_kinds: tuple[MediaKind, ...] = ()
+    # a preference pair laid out with its prefix duplicated (``pairs.py``): its two conversations, which a pack lays
+    # out as two segments of their own; the fields above are the two concatenated (length, media counts)
+    parts: tuple[MLLMSample, ...] = ()
 
     def __post_init__(self) -> None:
         if self.input_ids.dim() != 1 or self.labels.shape != self.input_ids.shape:
