@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .batch_metadata import carry_bounds
 from .masks import Predicate, causal, same_segment
 from .segments import flash_varlen_kwargs, validate_segment_ids
 
@@ -102,11 +103,14 @@ def span_masks(segment_ids: torch.Tensor, predicate: Predicate) -> SpanMasks:
     length = segment_ids.shape[1]
     cu_seq_lens = flash_varlen_kwargs(segment_ids)["cu_seq_lens_q"]
     bounds = cu_seq_lens.tolist()
-    masks = []
+    masks, more_than_causal = [], []
     for start, end in zip(bounds[:-1], bounds[1:]):
         row, first = divmod(start, length)
         index = torch.arange(first, first + end - start, device=segment_ids.device)
         mask = full(torch.tensor(row, device=segment_ids.device), 0, index[:, None], index[None, :])
-        plain = not bool(mask.triu(1).any()) and int(mask.sum()) == len(index) * (len(index) + 1) // 2
-        masks.append(None if plain else mask)
-    return SpanMasks(cu_seq_lens, tuple(masks))
+        masks.append(mask)
+        more_than_causal.append(mask.triu(1).any() | (mask.sum() != len(index) * (len(index) + 1) // 2))
+    # every span's verdict read back at once (one host sync, not two per span); its values carried for sdpa_varlen
+    plain = (~torch.stack(more_than_causal)).tolist() if masks else []
+    return SpanMasks(carry_bounds(cu_seq_lens, bounds),
+                     tuple(None if is_plain else mask for mask, is_plain in zip(masks, plain)))

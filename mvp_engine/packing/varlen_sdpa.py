@@ -88,8 +88,10 @@ def sdpa_varlen_attention(module, query, key, value, attention_mask, dropout: fl
     batch, heads, length, dim = query.shape
     span_mask_list = None
     if isinstance(attention_mask, SpanMasks):
-        if cu_seq_lens_q is not None and not torch.equal(cu_seq_lens_q.cpu(), attention_mask.cu_seq_lens.cpu()):
+        # compared by their values on the host (carried by the packed kwargs and the SpanMasks: no read-back)
+        if cu_seq_lens_q is not None and host_bounds(cu_seq_lens_q) != host_bounds(attention_mask.cu_seq_lens):
             raise ValueError(f"{SDPA_VARLEN}: cu_seq_lens_q disagree with the SpanMasks' spans")
+        cu_seq_lens_k = cu_seq_lens_q if cu_seq_lens_k is cu_seq_lens_q else cu_seq_lens_k
         cu_seq_lens_q, span_mask_list = attention_mask.cu_seq_lens, attention_mask.masks
     elif kwargs.get("sliding_window") is not None:
         raise ValueError(f"{SDPA_VARLEN} got sliding_window={kwargs['sliding_window']} but no SpanMasks: plain causal "
@@ -98,8 +100,8 @@ def sdpa_varlen_attention(module, query, key, value, attention_mask, dropout: fl
         spans = _spans_from_padding_mask(attention_mask, batch, length)
     else:
         # the packed kwargs hand one tensor for both (and its values on the host: no read-back per layer)
-        if cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seq_lens_q and not torch.equal(cu_seq_lens_q,
-                                                                                                   cu_seq_lens_k):
+        if cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seq_lens_q and \
+                host_bounds(cu_seq_lens_q) != host_bounds(cu_seq_lens_k):
             raise ValueError(f"{SDPA_VARLEN} is self-attention only: cu_seq_lens_q and cu_seq_lens_k differ")
         bounds = host_bounds(cu_seq_lens_q)
         if bounds[0] != 0 or bounds[-1] != batch * length:
