@@ -1,6 +1,7 @@
 """``train.expert_parallel_size``: the tiny Qwen3.5-MoE's experts (4 per layer, top-2) split over 2 gloo ranks, tokens
 dispatched all-to-all, trains what 1 rank x accumulation 2 trains with the load-balancing loss on (losses, aux loss,
-grad norms, gathered final weights), under DDP and FSDP2; the refusals, one line each."""
+grad norms, gathered final weights), under DDP and FSDP2; the FSDP2 run's mid-epoch checkpoint resumes the rest of
+the run exactly (each EP rank's expert slices under their own checkpoint keys); the refusals, one line each."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 import mvp_engine.engine.testing as kit
+from mvp_engine.engine.checkpoint import CHECKPOINTS
 from mvp_engine.engine.config import ConfigError
 from mvp_engine.engine.expert_parallel import check_expert_parallel
 
@@ -26,8 +28,10 @@ def common() -> list[str]:
 @pytest.mark.launch
 @pytest.mark.parametrize("sharding", ["none", "fsdp2"])
 def test_experts_split_over_two_ranks_train_what_one_rank_accumulating_two_trains(sharding, tmp_path):
-    out = kit.train(RECIPE, tmp_path, [*common(), f"train.sharding={sharding}", "train.expert_parallel_size=2",
-                                       "train.gradient_accumulation_steps=1"], nproc=2).stdout
+    split = [*common(), f"train.sharding={sharding}", "train.expert_parallel_size=2",
+             "train.gradient_accumulation_steps=1"]
+    checkpoints = ["train.save_every_steps=1", "train.keep_last=100"] if sharding == "fsdp2" else []
+    out = kit.train(RECIPE, tmp_path, [*split, *checkpoints], nproc=2).stdout
     assert "expert parallelism: 4 experts per layer split over 2 ranks (2 each)" in out, out
     one_dir = kit.cached_run(RECIPE, [*common(), "train.gradient_accumulation_steps=2"])
     two, one = kit.read_metrics(tmp_path), kit.read_metrics(one_dir)
@@ -38,6 +42,14 @@ def test_experts_split_over_two_ranks_train_what_one_rank_accumulating_two_train
     print(f"{sharding}: {differences}, weights {weights}")
     assert differences["loss"] <= 1e-5 and differences["aux_loss"] <= 1e-5 and differences["grad_norm"] <= 1e-4
     assert weights <= 1e-5, f"parameters differ by {weights}"
+    if checkpoints:  # resumed from the middle of the first epoch: the rest of the run, exactly
+        first_epoch = [m["step"] for m in two if m["epoch"] == 0]
+        step = first_epoch[len(first_epoch) // 2]
+        resumed = tmp_path / "resumed"
+        kit.train(RECIPE, resumed, [*split, f"train.resume_from={tmp_path / CHECKPOINTS / f'step_{step:08d}'}"],
+                  nproc=2)
+        assert kit.read_metrics(resumed) == two[step:]
+        assert kit.max_weight_difference(kit.final_weights(resumed), kit.final_weights(tmp_path)) == 0
     loads = [(a, b) for x, y in zip(two, one) for a, b in zip(x["expert_load"], y["expert_load"], strict=True)]
     assert max(abs(a - b) for a, b in loads) <= 1e-3  # rounded to 4 places
 

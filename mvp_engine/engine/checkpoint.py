@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from mvp_engine.kit.mllm.data import TokenAccounting
 
 from .config import ConfigError
+from .expert_parallel import checkpoint_keys, renamed_experts
 
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.json"
@@ -185,7 +186,7 @@ class Checkpointer:
         state = {"model": model, "optimizer": optimizer, "scheduler": self.scheduler.state_dict()}
         if self.accelerator.scaler is not None:  # fp16's loss scale
             state["scaler"] = self.accelerator.scaler.state_dict()
-        return state
+        return renamed_experts(state, checkpoint_keys(self.model))  # experts split over ranks: a key per slice
 
     def save(self, state: RunState) -> Path | None:
         """The checkpoint of ``state``; none before the first step: a fresh start resumes that exactly, while DCP
@@ -221,6 +222,7 @@ class Checkpointer:
         loaded = self._state()
         with _one_process_is_meant():
             dcp.load(loaded, storage_reader=dcp.FileSystemReader(checkpoint))
+        loaded = renamed_experts(loaded, {v: k for k, v in checkpoint_keys(self.model).items()})
         set_state_dict(self.model, self.optimizer, model_state_dict=loaded["model"],
                        optim_state_dict=loaded["optimizer"], options=self.options)
         self.scheduler.load_state_dict(loaded["scheduler"])

@@ -32,6 +32,7 @@ from .checkpoint import (
     state_dict_options,
 )
 from .config import ConfigError
+from .expert_parallel import whole_experts
 
 MODEL_PREFIX = "model."  # the model's tensors in the flattened checkpoint state (Checkpointer._state's "model")
 EXAMPLES = 2  # names quoted per kind of mismatch
@@ -75,8 +76,9 @@ def check_checkpoint_fits(checkpoint: Path, model: torch.nn.Module, trainable_on
     run's model before ``parallelize``: the same canonical names), each of the same shape; else one line saying how
     it differs: another recipe, model, or ``model.lora`` setting (on / off, rank, targets)."""
     expected = get_model_state_dict(model, options=state_dict_options(trainable_only))
-    saved = {key.removeprefix(MODEL_PREFIX): item for key, item in _metadata(checkpoint).state_dict_metadata.items()
-             if key.startswith(MODEL_PREFIX)}
+    saved = whole_experts({key.removeprefix(MODEL_PREFIX): item  # experts split over ranks: as one (expert_parallel)
+                           for key, item in _metadata(checkpoint).state_dict_metadata.items()
+                           if key.startswith(MODEL_PREFIX)})
     foreign = sorted(saved.keys() - expected.keys())
     absent = sorted(expected.keys() - saved.keys())
     shapes = {name: (list(saved[name].size), list(expected[name].shape)) for name in saved.keys() & expected.keys()

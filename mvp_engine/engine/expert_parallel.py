@@ -27,6 +27,8 @@ weights each rank built) and their gradients handled where the wrapper would get
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -200,6 +202,54 @@ def full_experts(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             torch.distributed.all_gather(parts, local, group=group)
             gathered[f"{prefix}.{name}"] = torch.cat(parts).cpu()
     return gathered
+
+
+def checkpoint_keys(model: torch.nn.Module) -> dict[str, str]:
+    """A checkpoint's key for each split expert weight of this rank: its name tagged with the EP rank and size
+    (``...experts.gate_up_proj@ep1of2``). Why: DCP takes a plain tensor of the same name on every rank for one
+    replicated tensor (and an FSDP2 shard over the replicas' mesh for the whole), so the EP ranks' different slices
+    under one name would be saved as one; tagged, each slice is its own entry, written once by one of its replicas.
+    A resume needs the same EP size (another one finds no entries of its tags). Empty without EP."""
+    keys = {}
+    for prefix, module in expert_modules(model):
+        group = getattr(module, SPLIT_GROUP, None)
+        if group is None:
+            continue
+        tag = f"@ep{torch.distributed.get_rank(group)}of{torch.distributed.get_world_size(group)}"
+        keys.update({f"{prefix}.{name}": f"{prefix}.{name}{tag}" for name in getattr(module, SPLIT_NAMES, ())})
+    return keys
+
+
+def renamed_experts(state: dict, keys: dict[str, str]) -> dict:
+    """``state`` (a checkpoint's ``{"model": ..., "optimizer": {"state": ...}}`` from DCP's ``get_state_dict``) with
+    the model's and the optimizer's entries of the split experts under ``keys`` (:func:`checkpoint_keys`, or its
+    inverse to read one back); the tensors are the same objects, so DCP loads into the run's own."""
+    if not keys:
+        return state
+    optimizer = state["optimizer"]
+    return {**state, "model": {keys.get(k, k): v for k, v in state["model"].items()},
+            "optimizer": {**optimizer, "state": {keys.get(k, k): v for k, v in optimizer["state"].items()}}}
+
+
+TAG = re.compile(r"^(?P<name>.*)@ep(?P<rank>\d+)of(?P<size>\d+)$")  # a checkpoint key of :func:`checkpoint_keys`
+
+
+def whole_experts(saved: dict) -> dict:
+    """A checkpoint's metadata by key (DCP's ``TensorStorageMetadata``) with each split expert weight's slices
+    (:func:`checkpoint_keys`) as one entry of the whole weight's shape under its own name, so a resume is checked
+    against the model as built (before the split); a weight missing slices keeps dim 0 at -1 (another shape)."""
+    whole, slices = {}, {}
+    for key, item in saved.items():
+        match = TAG.match(key)
+        if match is None:
+            whole[key] = item
+        else:
+            slices.setdefault(match["name"], []).append((int(match["size"]), item))
+    for name, parts in slices.items():
+        size, first = parts[0][0], parts[0][1]
+        rows = first.size[0] * size if len(parts) == size else -1
+        whole[name] = dataclasses.replace(first, size=torch.Size([rows, *first.size[1:]]))
+    return whole
 
 
 def describe_experts(split: ExpertSplit, experts: int) -> str:
