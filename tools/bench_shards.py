@@ -6,12 +6,12 @@ the DataKit: the engine's ``build_run_dataset`` (``MLLMDataKit.build_dataset``) 
 encoder (``build_processor`` on ``conf/model/qwen2_vl_tiny.yaml``), then ``dataset.metas`` (the measure pass) and
 ``dataset.estimate_total_steps`` (the plan).
 
-Data: ``--records`` records of ``tools/bench_data.py``'s seeded mix (82 % image QA, 15 % text only, 2 % multi-turn
-image chats, 1 % long image descriptions) written as ``--shards`` WebDataset tar shards: per record a ``.json``
-member (the record without its image path: its image is found by the member's extension and placed by its
-``<image>`` tag) and, for an image record, the image as a ``.jpg`` / ``.png`` member (``bench_data``'s generated
-images, 64 to 2048 pixels a side, flat colours, so small on disk). Written once per (records, shards, seed) into
-``--workdir`` and reused.
+Data: ``--records`` seeded LLaVA-style records (85 % one image and a question, 15 % text only; question and answer
+lengths in words log-normal, medians 12 and 60, as ``tools/bench_data.py``'s image QA) written as ``--shards``
+WebDataset tar shards: per record a ``.json`` member (no image path: its image is found by the member's extension
+and placed by its ``<image>`` tag) and, for an image record, the image as a ``.jpg`` / ``.png`` / ``.webp`` member
+(``IMAGES`` small generated images, 64 to 1024 pixels a side, flat colours). Written once per (records, shards,
+seed) into ``--workdir`` and reused.
 
 Phases, each in fresh ``python`` processes started here (RSS numbers are each process's own), every rank with
 ``data.measure_workers=1`` (one process per rank: the ranks are the parallelism measured):
@@ -53,16 +53,20 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+from PIL import Image
+
 TOOL = Path(__file__).resolve()
-sys.path.insert(0, str(TOOL.parent.parent))  # run as a script: the repository root holds the ``tools`` package
-
-from tools import bench_data  # noqa: E402 - the path above first
-
 RECIPE = "qwen2_vl"
-SHARDS_FORMAT = 1  # bump when the shards written change: a reused --workdir then writes them again
+SHARDS_FORMAT = 2  # bump when the shards written change: a reused --workdir then writes them again
 PROJECT_RECORDS = 100_000_000
 PROJECT_RANKS = 64
 PROJECT_SHARD_RECORDS = 5_000  # the issue's shards: 2 M records in 400
+IMAGES = 24
+IMAGE_SHARE = 0.85
+WORDS = ("the a of to in on with what is are there color image picture person man woman dog cat car street table "
+         "left right top bottom large small red blue green white black two three sitting standing holding near "
+         "behind front shows contains appears describe").split()
 
 
 # ------------------------------------------------------------------------------------------- synthetic shards
@@ -78,24 +82,44 @@ def write_shards(folder: Path, records: int, shards: int, seed: int) -> str:
         return pattern
     shutil.rmtree(target, ignore_errors=True)
     target.mkdir(parents=True)
-    images = bench_data.write_images(folder / "images", seed)
-    data = {name: (folder / "images" / name).read_bytes() for name in images}
-    lines = (line for chunk in range(-(-records // bench_data.CHUNK))
-             for line in bench_data.chunk_records(chunk, min(bench_data.CHUNK, records - chunk * bench_data.CHUNK),
-                                                  images, seed))
+    rng = np.random.default_rng([seed, SHARDS_FORMAT])
+    images = _images(rng)
     per_shard = -(-records // shards)
     for s in range(shards):
         with tarfile.open(target / f"shard-{s:0{width}d}.tar", "w") as tar:
             for k in range(min(per_shard, records - s * per_shard)):
-                record = json.loads(next(lines))
                 key = f"{s * per_shard + k:09d}"
-                image = record.pop("image", None)
-                if image is not None:
-                    name = Path(image).name
-                    _add(tar, f"{key}{Path(name).suffix}", data[name])
+                with_image = rng.random() < IMAGE_SHARE
+                question, answer = (" ".join(rng.choice(WORDS, size=n)) for n in
+                                    np.clip(rng.lognormal(np.log([12, 60]), [0.5, 0.9]), 1, 800).astype(int))
+                record = {"id": f"syn-{s * per_shard + k}", "conversations": [
+                    {"from": "human", "value": ("<image>\n" if with_image else "") + question + "?"},
+                    {"from": "gpt", "value": answer + "."}]}
+                if with_image:
+                    extension, data = images[int(rng.integers(len(images)))]
+                    _add(tar, f"{key}.{extension}", data)
                 _add(tar, f"{key}.json", json.dumps(record).encode())
     (target / "done").write_text("")
     return pattern
+
+
+def _images(rng: np.random.Generator) -> list[tuple[str, bytes]]:
+    """``IMAGES`` encoded images of varied sizes, flat colours: (extension, bytes)."""
+    images = []
+    for k in range(IMAGES):
+        width = int(rng.integers(64, 1025))
+        height = int(np.clip(width / rng.uniform(0.5, 2.0), 64, 1024))
+        extension, kind = (("jpg", "JPEG"), ("png", "PNG"), ("webp", "WEBP"))[k % 3]
+        buffer = io.BytesIO()
+        Image.new("RGB", (width, height), tuple(int(c) for c in rng.integers(0, 256, 3))).save(buffer, format=kind)
+        images.append((extension, buffer.getvalue()))
+    return images
+
+
+def anon_bytes() -> int:
+    """``RssAnon`` of this process (``/proc/self/status``): the heap and arrays, not the memory-mapped Arrow files."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssAnon:"))
 
 
 def _add(tar: tarfile.TarFile, name: str, payload: bytes) -> None:
@@ -150,7 +174,7 @@ def phase_main(spec_path: str) -> None:
         "per_shard_counts": {s: sum(o.startswith(s + "#") for o in measured) for s in shards},
         "packs": packs, "again_s": again_s, "bad_records": dataset.bad_records.count,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "anon_bytes": bench_data.anon_bytes()}))
+        "anon_bytes": anon_bytes()}))
 
 
 # ------------------------------------------------------------------------------------------------ the parent
