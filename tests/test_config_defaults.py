@@ -54,7 +54,8 @@ PER_RECIPE = {
     "qwen3_5": VIDEO_DEMO,
     "qwen3_5_moe": VIDEO_DEMO,
     "qwen3_vl": VIDEO_DEMO,
-    "qwen3_vl_moe": VIDEO_DEMO,
+    # a MoE block holds no nn.Linear for LoRA: adapters on the attention projections only
+    "qwen3_vl_moe": {**VIDEO_DEMO, "model.lora": {"target_modules": ["*language_model.layers.*_attn"]}},
 }
 
 
