@@ -12,6 +12,9 @@ were the counts to agree, would scatter image features into video tokens. Here t
 ``config.video_token_id`` in the model's ``input_ids`` (``packed.model_input_ids`` maps them from
 ``mm_token_type_ids``); the embedding of a placeholder is replaced by its feature either way, so nothing else
 changes, and the checkpoint's weights, config and names are GLM-4.1V's.
+
+GLM-4.5V (``recipes/glm4v_moe``) is built from the same parts: :class:`MixedMediaPlaceholders` is the fix as a mixin
+for either model class, and :func:`tiny_config` / :func:`build_glm_model` take the config and model class.
 """
 
 from __future__ import annotations
