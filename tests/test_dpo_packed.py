@@ -120,11 +120,12 @@ def check_dpo_step(name, backend, spec, records):
     worst = max(_relative(packed_grads[n], p.grad) for n, p in params if p.grad.norm() > 0)
     assert worst <= TOL, worst
     assert all(packed_grads[n].norm() > 0 for n, p in params if ".lora_" in n), "every adapter gets a gradient"
+    return model, encoder.encoder, pad
 
 
-@pytest.mark.parametrize("backend", ["eager", "sdpa"])
-@pytest.mark.parametrize("name", ["llava", "qwen2_vl"])
-@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("name,backend,shared", [(name, backend, True) for name in ("llava", "qwen2_vl")
+                                                  for backend in ("eager", "sdpa")]
+                         + [("llava", "sdpa", False), ("qwen2_vl", "sdpa", False)])
 def test_packed_dpo_equals_pair_by_pair(records, name, backend, shared):
     spec = PreferenceSpec(beta=0.5, label_smoothing=0.1, sft_weight=0.3, shared_prefix=shared)
     check_dpo_step(name, backend, spec, records)
@@ -146,10 +147,7 @@ def test_bad_spec_is_one_line():
 def test_duplicated_prefix_on_what_cannot_share_it(records, name, backend):
     """Each conversation a segment of its own: varlen kernels and linear-attention layers (Qwen3.5) need nothing
     more than their packed boundaries; the shared layout is refused there in one line."""
-    check_dpo_step(name, backend, PreferenceSpec(beta=0.5, shared_prefix=False), records)
-    recipe, model_cfg = load_recipe(name), compose_config(name).model
-    processor = recipe.build_processor(model_cfg)
-    encoder = PairEncoder(recipe.build_encoder(processor))
-    batch = collate_rows([[encoder.encode(records[0])]], recipe.pad_token_id(processor))
+    model, encoder, pad = check_dpo_step(name, backend, PreferenceSpec(beta=0.5, shared_prefix=False), records)
+    batch = collate_rows([[PairEncoder(encoder).encode(records[0])]], pad)
     with pytest.raises(ValueError, match="cannot mask a preference pair's branches|not supported on models with"):
-        recipe.prepare_packed(batch, recipe.build_model(model_cfg, backend), backend)
+        load_recipe(name).prepare_packed(batch, model, backend)

@@ -33,26 +33,45 @@ def _records(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_dpo_run_is_exact_under_accumulation(tmp_path, pairs_file):
-    runs = {}
-    for name, shape in (("one", ["train.micro_batch_size=2", "train.gradient_accumulation_steps=1"]),
-                        ("two", ["train.micro_batch_size=1", "train.gradient_accumulation_steps=2"])):
-        run_dir = tmp_path / name
-        train("llava", run_dir, [*BASE, *shape, f"data.sources=[{pairs_file}]"])
-        runs[name] = _records(run_dir)
-    one, two = runs["one"], runs["two"]
-    assert len(one) == len(two) >= 2
+SHAPES = {"one": ["train.micro_batch_size=2", "train.gradient_accumulation_steps=1"],
+          "two": ["train.micro_batch_size=1", "train.gradient_accumulation_steps=2"]}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, pairs_file):
+    """The same pairs trained as one micro-batch of 2 packs and as 2 micro-batches of 1 (in-process)."""
+    root = tmp_path_factory.mktemp("dpo_runs")
+    for name, shape in SHAPES.items():
+        train("llava", root / name, [*BASE, *shape, f"data.sources=[{pairs_file}]"])
+    return root
+
+
+def _same_steps(one, two):
     # fp32 sums in another order, then AdamW steps at lr 0.05: measured 2e-6 relative by the second step; a
     # denominator of the micro-batch instead of the step would be off by 2x
+    assert len(one) == len(two) >= 2
     for a, b in zip(one, two):
         for key in ("loss", "grad_norm", *METRICS):
             assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-6), (key, a[key], b[key])
+
+
+def test_dpo_run_is_exact_under_accumulation(runs):
+    one, two = _records(runs / "one"), _records(runs / "two")
+    _same_steps(one, two)
     first = one[0]
     assert math.isclose(first["loss"], math.log(2), rel_tol=1e-6)
     assert first["rewards/chosen"] == first["rewards/rejected"] == 0.0
     assert any(r["rewards/margin"] != 0 for r in one[1:]), "the adapters moved the policy off its reference"
-    bad = [json.loads(line) for line in (tmp_path / "one" / "bad_records.jsonl").read_text().splitlines()]
+    bad = [json.loads(line) for line in (runs / "one" / "bad_records.jsonl").read_text().splitlines()]
     assert sorted(b["reason"] for b in bad) == sorted(BAD_PAIRS)
+
+
+@pytest.mark.launch
+def test_dpo_two_ranks_equal_one_rank_accumulating(runs, tmp_path, pairs_file):
+    """2 ranks x 1 micro-batch == 1 rank x accumulation 2: the pair count and the metrics summed over ranks."""
+    shape = ["train.micro_batch_size=1", "train.gradient_accumulation_steps=1"]
+    train("llava", tmp_path / "ranks", [*BASE, *shape, f"data.sources=[{pairs_file}]"], nproc=2)
+    _same_steps(_records(tmp_path / "ranks"), _records(runs / "two"))
 
 
 def test_dpo_refuses_what_it_cannot_do(tmp_path, pairs_file):
