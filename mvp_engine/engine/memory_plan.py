@@ -9,9 +9,10 @@ What each term is, per rank:
 
 - **parameters / gradients / optimizer state**: bytes of the parameters in their dtype (``model.dtype``; a
   quantized base weight its packed size), a gradient per trainable parameter in the parameter's dtype, AdamW's two
-  moments in fp32; FSDP2 divides all three by the ranks it shards over; ``train.offload`` moves the optimizer state
-  (``optimizer``) or all three (``params``) to the host, leaving on the device the unsharded units FSDP2 gathers
-  (the largest, twice: one computing, one prefetched).
+  moments in fp32; FSDP2 divides all three by the ranks it shards over; ``train.offload=params`` moves all three
+  to the host, leaving on the device the unsharded units FSDP2 gathers (the root unit: embeddings, head,
+  projector, kept gathered from its forward to its backward; and the largest block twice: one computing, one
+  prefetched).
 - **saved activations**: what autograd keeps from the forward for the backward, per position of each transformer
   block (:func:`block_saved_bytes`), times the positions it sees (language-model tokens of this rank's micro-batches,
   the vision tower's patches of the media among them), plus the embeddings' output; with activation checkpointing
@@ -52,7 +53,7 @@ OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "proj", "down_proj", "fc2", "linear_
 class Settings:
     """The run's settings the plan reads: ``world_size`` ranks, ``sharding`` (none: DDP; fsdp2), ``cp`` context
     parallel ranks per row, ``recompute`` (activation checkpointing), ``loss_impl`` (full or chunked: liger and cce
-    keep about what chunked does), ``chunk_tokens``, ``offload`` (none, optimizer, params), ``quantization`` (none,
+    keep about what chunked does), ``chunk_tokens``, ``offload`` (none, params), ``quantization`` (none,
     nf4, int8: the base's linear layers when LoRA trains), ``micro_batch`` rows of ``length`` packed tokens, of
     which ``media_share`` are media tokens and ``supervised_share`` are supervised targets, activations in
     ``act_bytes`` per element (2: bf16 autocast or FSDP2's bf16 compute)."""
@@ -198,6 +199,7 @@ class ModelShape:
     vocab: int = 0
     hidden: int = 0
     largest_unit: int = 0
+    root: int = 0  # elements outside the blocks (embeddings, head, projector): FSDP2's root unit
     dtype_bytes: int = 4
     per_token: float = 0.0  # outside the blocks, per language-model token: the final norm
     per_patch: float = 0.0  # outside the blocks, per vision patch: the patch embedding's input
@@ -233,6 +235,7 @@ def model_shape(model: torch.nn.Module, act_dtype: torch.dtype) -> ModelShape:
     final_norm = next((m for name, m in decoder.named_children() if _is_norm(m)), None)
     if final_norm is not None:
         shape.per_token += _meta_saved_bytes(final_norm, shape.hidden, act_dtype)
+    shape.root = shape.parameters - sum(p.numel() for _, block in blocks for p in block.parameters())
     for _, block in blocks:
         group = shape.language if id(block) in in_decoder else shape.vision
         if not group.count:
@@ -305,12 +308,11 @@ def plan(shape: ModelShape, settings: Settings, patches_per_media_token: float =
     parameters = (shape.trainable * shape.dtype_bytes + frozen) / shards
     gradients = shape.trainable * shape.dtype_bytes / shards
     optimizer = shape.trainable * ADAM_BYTES / shards
-    if s.offload in ("optimizer", "params"):
-        optimizer = 0.0
     if s.offload == "params":
-        parameters, gradients = 0.0, 0.0
-    if s.sharding == "fsdp2":  # the unsharded units being computed and prefetched, in the compute dtype
-        parameters += 2 * shape.largest_unit * s.act_bytes
+        parameters, gradients, optimizer = 0.0, 0.0, 0.0
+    if s.sharding == "fsdp2":  # gathered in the compute dtype: the root unit (kept gathered from its forward to
+        # its backward) and the block being computed beside the one prefetched
+        parameters += (shape.root + 2 * shape.largest_unit) * s.act_bytes
     tokens = s.micro_batch * math.ceil(s.length / s.cp)
     media_tokens = int(tokens * s.media_share)
     vision_positions = int(media_tokens * patches_per_media_token)
