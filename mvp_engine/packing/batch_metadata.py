@@ -18,8 +18,8 @@ and the linear-attention layers split their spans by them without reading the de
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -27,10 +27,12 @@ import torch
 from mvp_engine.kit.mllm.data.collator import PACKED_METADATA, PACKED_POSITIONS
 
 from .segments import flash_varlen_kwargs, row_segments
+from .unwrap import unwrap_model
 
 METADATA = PACKED_METADATA  # the batch field holding a PackedMetadata (collator -> step)
-__all__ = ["METADATA", "PACKED_POSITIONS", "PackedMetadata", "batch_metadata", "carry_bounds", "describe_packed",
-           "describe_varlen", "host_bounds", "packed_varlen_kwargs"]
+__all__ = ["METADATA", "PACKED_POSITIONS", "ConfigOf", "PackedMetadata", "batch_metadata", "carry_bounds",
+           "describe_packed", "describe_varlen", "host_bounds", "media_checked", "media_checked_metadata",
+           "packed_varlen_kwargs"]
 _HOST_BOUNDS = "_host_bounds"  # a cu_seqlens tensor's values as Python ints, set by carry_bounds
 
 
@@ -43,6 +45,7 @@ class PackedMetadata:
     runs: tuple[tuple[tuple[int, int, int], ...], ...]
     bounds: tuple[int, ...]
     max_length: int
+    media_checked: bool = False  # the recipe's media placement checks ran in the collator (media_checked_metadata)
 
 
 def describe_packed(batch: Mapping[str, Any]) -> dict[str, Any]:
@@ -56,6 +59,30 @@ def describe_packed(batch: Mapping[str, Any]) -> dict[str, Any]:
     varlen = describe_varlen(batch)
     runs = tuple(tuple(row) for row in row_segments(batch["pack_segment_ids"]))
     return {METADATA: PackedMetadata(runs, tuple(varlen["cu_seq_lens_q"].tolist()), varlen["max_length_q"])}
+
+
+class ConfigOf:
+    """What a recipe's media checks read of a model, its config, without the model (picklable, no weights): the
+    ``model`` they are handed in the collator."""
+
+    def __init__(self, model):
+        self.config = unwrap_model(model).config
+
+
+def media_checked_metadata(batch: Mapping[str, Any], check: Callable[[Mapping[str, Any], Any], Any],
+                           model: ConfigOf) -> dict[str, Any]:
+    """:func:`describe_packed`'s metadata with the recipe's media placement ``check(batch, model)`` run here, on the
+    CPU (every segment's placeholders against its own media: ``.tolist()`` and ``nonzero`` of the whole batch), so the
+    step skips it (:func:`media_checked`). A family whose checks read only the model's config uses it as its
+    ``packed_metadata`` hook."""
+    check(batch, model)
+    return {METADATA: replace(describe_packed(batch)[METADATA], media_checked=True)}
+
+
+def media_checked(batch: Mapping[str, Any]) -> bool:
+    """True when the collator checked ``batch``'s media placement already (:func:`media_checked_metadata`)."""
+    metadata = batch_metadata(batch)
+    return metadata is not None and metadata.media_checked
 
 
 def batch_metadata(batch: Mapping[str, Any]) -> PackedMetadata | None:

@@ -4,11 +4,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 
 from mvp_engine.packing import check_media_placement, unwrap_model
+from mvp_engine.packing.batch_metadata import ConfigOf, media_checked, media_checked_metadata
 from recipes import gemma
 
 ATTENTION_BACKENDS = gemma.ATTENTION_BACKENDS
@@ -16,12 +19,20 @@ TYPE_FIELD = "token_type_ids"
 
 
 def _media_kwargs(batch: dict[str, Any], model) -> dict[str, torch.Tensor]:
-    """Stacked ``pixel_values``, after checking every segment holds exactly its own images' soft tokens."""
+    """Stacked ``pixel_values``, after checking every segment holds exactly its own images' soft tokens (unless the
+    collator did, :func:`packed_metadata`)."""
     config = unwrap_model(model).config
     pixel_values = batch.get("pixel_values")
     n_images = 0 if pixel_values is None else int(pixel_values.shape[0])
-    check_media_placement(batch, batch["input_ids"] == config.image_token_id, [config.mm_tokens_per_image] * n_images)
+    if not media_checked(batch):
+        check_media_placement(batch, batch["input_ids"] == config.image_token_id,
+                              [config.mm_tokens_per_image] * n_images)
     return {} if n_images == 0 else {"pixel_values": pixel_values}
+
+
+def packed_metadata(model) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """The collator's hook: the packed layout, and the media placement checked there, on the CPU, not in the step."""
+    return partial(media_checked_metadata, check=_media_kwargs, model=ConfigOf(model))
 
 
 def prepare_packed(batch: dict[str, Any], model, attn_implementation: str) -> dict[str, Any]:

@@ -5,11 +5,14 @@ sliding layers only (``use_bidirectional_attention="vision"``: Gemma 4's full la
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 
 from mvp_engine.packing import check_media_placement, unwrap_model
+from mvp_engine.packing.batch_metadata import ConfigOf, media_checked, media_checked_metadata
 from recipes import gemma
 
 from .model import BLOCK_LAYER_TYPES, TYPE_FIELD
@@ -19,20 +22,28 @@ ATTENTION_BACKENDS = gemma.ATTENTION_BACKENDS
 
 def _media_kwargs(batch: dict[str, Any], model) -> dict[str, torch.Tensor]:
     """``pixel_values`` and ``image_position_ids``, after checking every segment holds exactly its own images' soft
-    tokens (an image's: its real patches / k²)."""
+    tokens (an image's: its real patches / k²), unless the collator did (:func:`packed_metadata`)."""
     config = unwrap_model(model).config
     pixel_values = batch.get("pixel_values")
+    checked = media_checked(batch)
     if pixel_values is None or not pixel_values.shape[0]:
-        check_media_placement(batch, batch["input_ids"] == config.image_token_id, [])
+        if not checked:
+            check_media_placement(batch, batch["input_ids"] == config.image_token_id, [])
         return {}
     positions = batch.get("image_position_ids")
     if positions is None or positions.shape[:2] != pixel_values.shape[:2]:
         raise ValueError("Gemma 4 images need image_position_ids [N, max_patches, 2] beside pixel_values "
                          f"{tuple(pixel_values.shape)}, got {None if positions is None else tuple(positions.shape)}")
-    k = int(config.vision_config.pooling_kernel_size)
-    tokens = ((positions != -1).all(-1).sum(-1) // (k * k)).tolist()
-    check_media_placement(batch, batch["input_ids"] == config.image_token_id, tokens)
+    if not checked:
+        k = int(config.vision_config.pooling_kernel_size)
+        tokens = ((positions != -1).all(-1).sum(-1) // (k * k)).tolist()
+        check_media_placement(batch, batch["input_ids"] == config.image_token_id, tokens)
     return {"pixel_values": pixel_values, "image_position_ids": positions}
+
+
+def packed_metadata(model) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """The collator's hook: the packed layout, and the media placement checked there, on the CPU, not in the step."""
+    return partial(media_checked_metadata, check=_media_kwargs, model=ConfigOf(model))
 
 
 def prepare_packed(batch: dict[str, Any], model, attn_implementation: str) -> dict[str, Any]:

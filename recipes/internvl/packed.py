@@ -9,6 +9,8 @@ check, the mask per backend, guards) is the engine's ``mvp_engine.packing.inputs
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -20,6 +22,7 @@ from mvp_engine.packing import (
     text_positions,
     unwrap_model,
 )
+from mvp_engine.packing.batch_metadata import ConfigOf, media_checked, media_checked_metadata
 
 from .model import tokens_per_tile
 
@@ -27,12 +30,17 @@ ATTENTION_BACKENDS = ("eager", "sdpa", "sdpa_varlen", "flex_attention", "flash_a
 
 
 def _media_kwargs(batch: dict[str, Any], model) -> dict[str, torch.Tensor]:
-    """Stacked tiles ``pixel_values``, after checking every segment holds exactly its own images' context tokens."""
+    """Stacked tiles ``pixel_values``, after checking every segment holds exactly its own images' context tokens
+    (unless the collator did, :func:`packed_metadata`)."""
     config = unwrap_model(model).config
     pixel_values = batch.get("pixel_values")
+    checked = media_checked(batch)
     if pixel_values is None or not pixel_values.shape[0]:
-        check_media_placement(batch, batch["input_ids"] == config.image_token_id, [])
+        if not checked:
+            check_media_placement(batch, batch["input_ids"] == config.image_token_id, [])
         return {}
+    if checked:
+        return {"pixel_values": pixel_values}
     tiles = batch.get("image_num_patches")
     if tiles is None or int(tiles.sum()) != pixel_values.shape[0]:
         raise ValueError(f"a batch with {pixel_values.shape[0]} tiles needs image_num_patches (tiles per image) "
@@ -40,6 +48,11 @@ def _media_kwargs(batch: dict[str, Any], model) -> dict[str, torch.Tensor]:
     per_tile = tokens_per_tile(config)
     check_media_placement(batch, batch["input_ids"] == config.image_token_id, [int(n) * per_tile for n in tiles])
     return {"pixel_values": pixel_values}
+
+
+def packed_metadata(model) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """The collator's hook: the packed layout, and the media placement checked there, on the CPU, not in the step."""
+    return partial(media_checked_metadata, check=_media_kwargs, model=ConfigOf(model))
 
 
 def prepare_packed(batch: dict[str, Any], model, attn_implementation: str) -> dict[str, Any]:

@@ -13,6 +13,8 @@ model whose vision tower runs flash.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -25,6 +27,7 @@ from mvp_engine.packing import (
     text_positions,
     unwrap_model,
 )
+from mvp_engine.packing.batch_metadata import ConfigOf, media_checked, media_checked_metadata
 
 from .model import image_token_count
 
@@ -32,13 +35,20 @@ ATTENTION_BACKENDS = ("eager", "sdpa", "sdpa_varlen", "flex_attention", "flash_a
 
 
 def _media_kwargs(batch: dict[str, Any], model) -> dict[str, torch.Tensor]:
-    """Stacked ``pixel_values``, after checking every segment holds exactly its own images' placeholders."""
+    """Stacked ``pixel_values``, after checking every segment holds exactly its own images' placeholders (unless
+    the collator did, :func:`packed_metadata`)."""
     config = unwrap_model(model).config
     pixel_values = batch.get("pixel_values")
     n_images = 0 if pixel_values is None else int(pixel_values.shape[0])
-    placeholder = batch["input_ids"] == config.image_token_id
-    check_media_placement(batch, placeholder, [image_token_count(config)] * n_images)
+    if not media_checked(batch):
+        placeholder = batch["input_ids"] == config.image_token_id
+        check_media_placement(batch, placeholder, [image_token_count(config)] * n_images)
     return {} if n_images == 0 else {"pixel_values": pixel_values}
+
+
+def packed_metadata(model) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """The collator's hook: the packed layout, and the media placement checked there, on the CPU, not in the step."""
+    return partial(media_checked_metadata, check=_media_kwargs, model=ConfigOf(model))
 
 
 def _check_vision_backend(model, attn_implementation: str) -> None:
