@@ -37,6 +37,11 @@ Targets, each printed with its measured value and OK/MISS:
         [--vision-intermediate 1536] [--vision-layers 4] [--vision-heads 6] [--repeats 2] [--threads 1]
         [--workdir DIR] [--json PATH]
 
+``--experts``: a MoE model's expert state per rank with ``train.expert_parallel_size=2`` vs without (the tiny
+``qwen3_5_moe`` with ``--num-experts`` experts of ``--moe-intermediate`` per layer, DDP over 2 gloo ranks, one AdamW
+step): the experts' weights, gradients and optimizer state counted from tensors; target: EP 2 <= 0.55x none's on
+the worst rank (the routed experts' 3-D weights only: the routers and the shared expert stay whole on every rank).
+
 ``main(argv)`` returns what it printed as a dict; the numbers come from functions returning data
 (``measure_state``, ``measure_activations``, ``targets``), ``report`` only formats them.
 """
@@ -59,6 +64,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from mvp_engine.engine.config import RunSpecs, TrainSpec, compose_config, resolve_run_specs
 from mvp_engine.engine.demo import with_demo_data
+from mvp_engine.engine.expert_parallel import exclude_from_ddp, expert_modules, split_experts
 from mvp_engine.engine.linear_loss import chunked_token_loss
 from mvp_engine.engine.loss import weighted_token_loss
 from mvp_engine.engine.participation import dummy_passes, forward_with_media_pass, freeze_parameters, media_kinds
@@ -70,6 +76,8 @@ from mvp_engine.engine.train_step import optimizer_and_schedule
 from mvp_engine.kit.mllm.data import MLLMCollator
 
 RECIPE = "llava"
+EXPERTS_RECIPE = "qwen3_5_moe"  # --experts
+EXPERT_MODES = ("none", "ep2")
 WORLD_SIZE = 2
 STATE_MODES = ("ddp", "fsdp2")
 ACTIVATION_MODES = ("none", "checkpointing")
@@ -341,6 +349,94 @@ def run_loss(args: argparse.Namespace) -> dict:
     return {"rows": rows, "targets": found, "ok": all(t["ok"] for t in found), "args": vars(args), "lines": lines}
 
 
+# ------------------------------------------------------------------------- experts: EP 2 vs none, two ranks
+
+
+def expert_overrides(args: argparse.Namespace) -> list[str]:
+    """The MoE recipe's tiny model with ``--num-experts`` experts of ``--moe-intermediate`` per layer (fp32)."""
+    text = "model.config.text_config"
+    return [f"{text}.num_experts={args.num_experts}", f"{text}.moe_intermediate_size={args.moe_intermediate}",
+            "model.dtype=float32", f"model.seed={args.seed}"]
+
+
+def expert_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """This rank's bytes of the experts' weights, their gradients and their optimizer state (``experts``), and of
+    every parameter's (``total``)."""
+    def held(parameters) -> int:
+        return sum(local_bytes(p) + (local_bytes(p.grad) if p.grad is not None else 0)
+                   + sum(local_bytes(v) for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor))
+                   for p in parameters)
+    experts = [p for _, module in expert_modules(model) for p in module.parameters(recurse=False)]
+    return {"experts": held(experts), "total": held(model.parameters())}
+
+
+def experts_after_step(mode: str, recipe: Recipe, model_cfg: dict, attention: str, batch: dict,
+                       train: TrainSpec) -> dict[str, int]:
+    """One AdamW step under DDP, the experts whole (``none``) or split over the 2 ranks (``ep2``: the engine's
+    ``split_experts`` and ``exclude_from_ddp``, as ``train.expert_parallel_size=2`` does); the state at its end."""
+    model = build_model(recipe, model_cfg, attention)
+    if mode == "ep2":
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("world",))
+        exclude_from_ddp(model, split_experts(model, mesh, dist.get_world_size()))
+    wrapped = DistributedDataParallel(model)
+    optimizer, _ = optimizer_and_schedule(wrapped, train, 1)
+    packed_loss(recipe, wrapped, batch, attention).backward()
+    optimizer.step()
+    return expert_state(wrapped, optimizer)
+
+
+def experts_rank_main(rank: int, rendezvous: str, model_cfg: dict, attention: str, batches: list[dict],
+                      train: TrainSpec, threads: int, out_dir: str) -> None:
+    """One rank of ``run_experts`` (``torch.multiprocessing.spawn``): both modes, then its numbers."""
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD_SIZE)
+    try:
+        recipe = load_recipe(EXPERTS_RECIPE)
+        result = {mode: experts_after_step(mode, recipe, model_cfg, attention, batches[rank], train)
+                  for mode in EXPERT_MODES}
+    finally:
+        dist.destroy_process_group()
+    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def run_experts(args: argparse.Namespace, workdir: Path) -> dict:
+    """The --experts table: per rank, the experts' state after one step with EP 2 and without, and its target."""
+    started = time.perf_counter()
+    torch.set_num_threads(args.threads)
+    recipe = load_recipe(EXPERTS_RECIPE)
+    cfg = with_demo_data(compose_config(EXPERTS_RECIPE, [
+        *expert_overrides(args), "+packing=greedy", f"data.max_seq_len={args.state_length}",
+        f"demo.num_samples={args.samples}", f"demo.out_dir={workdir / 'demo'}", f"data.seed={args.seed}"]))
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    specs = resolve_run_specs(cfg, recipe.attention_backends)
+    batches = fullest_batches(recipe, model_cfg, specs, WORLD_SIZE)
+    out_dir = Path(tempfile.mkdtemp(dir=workdir, prefix="experts"))
+    progress(f"experts: {WORLD_SIZE} ranks, {', '.join(EXPERT_MODES)}")
+    torch.multiprocessing.spawn(experts_rank_main, nprocs=WORLD_SIZE, join=True,
+                                args=(str(out_dir / "rendezvous"), model_cfg, specs.attention, batches, specs.train,
+                                      args.threads, str(out_dir)))
+    ranks = [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
+    ratio = max(rank["ep2"]["experts"] / rank["none"]["experts"] for rank in ranks)
+    ok = ratio <= TARGET_STATE_RATIO
+    text = model_cfg["config"]["text_config"]
+    lines = [f"recipe {EXPERTS_RECIPE}: {text['num_experts']} experts (top-{text['num_experts_per_tok']}, "
+             f"intermediate {text['moe_intermediate_size']}) in each of {text['num_hidden_layers']} layers, hidden "
+             f"{text['hidden_size']}, fp32 on CPU, DDP over {WORLD_SIZE} gloo ranks, one packed micro-batch each "
+             f"(L={args.state_length}); per rank after one AdamW step: weights + gradients + optimizer state, from "
+             "tensors",
+             f"  {'mode':<5s} {'rank':>4s} {'experts MiB':>12s} {'all MiB':>9s}"]
+    for mode in EXPERT_MODES:
+        for rank, numbers in enumerate(ranks):
+            lines.append(f"  {mode:<5s} {rank:>4d} {numbers[mode]['experts'] / MIB:>12.2f} "
+                         f"{numbers[mode]['total'] / MIB:>9.2f}")
+    line = (f"EP 2 per-rank expert state <= {TARGET_STATE_RATIO}x none's (the worst rank): {ratio:.3f}x -> "
+            f"{verdict(ok)}")
+    lines += ["targets:", f"  {line}", f"bench time {time.perf_counter() - started:.1f} s"]
+    return {"recipe": EXPERTS_RECIPE, "ranks": ranks, "ratio": ratio, "ok": ok, "args": vars(args),
+            "targets": [{"name": "experts", "value": ratio, "limit": TARGET_STATE_RATIO, "ok": ok, "line": line}],
+            "lines": lines}
+
+
 # --------------------------------------------------------------------------------------------------- report
 
 
@@ -424,6 +520,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workdir", type=Path, help="demo data and rank outputs (default: a temporary directory)")
     parser.add_argument("--json", type=Path, help="write every number here")
     parser.add_argument("--loss", action="store_true", help="the loss alone: full vs chunked (the table above)")
+    parser.add_argument("--experts", action="store_true", help="a MoE model's expert state per rank, EP 2 vs none")
+    parser.add_argument("--num-experts", type=int, default=16, help="--experts: experts per MoE layer")
+    parser.add_argument("--moe-intermediate", type=int, default=256, help="--experts: each expert's intermediate")
     parser.add_argument("--vocabs", type=int, nargs="+", default=list(LOSS_VOCABS), help="--loss: vocabularies")
     parser.add_argument("--lengths", type=int, nargs="+", default=list(LOSS_LENGTHS), help="--loss: lengths")
     parser.add_argument("--loss-hidden", type=int, default=64, help="--loss: the hidden size the head projects")
@@ -466,10 +565,11 @@ def main(argv: list[str] | None = None) -> dict:
             result = run_loss(args)
         elif args.workdir is None:
             with tempfile.TemporaryDirectory() as workdir:
-                result = run(args, Path(workdir))
+                result = (run_experts if args.experts else run)(args, Path(workdir))
         else:
             args.workdir.mkdir(parents=True, exist_ok=True)
-            result = run(args, args.workdir.resolve())  # absolute: the ranks' file:// rendezvous needs it
+            # absolute: the ranks' file:// rendezvous needs it
+            result = (run_experts if args.experts else run)(args, args.workdir.resolve())
     finally:
         torch.set_num_threads(threads)  # called in process (tests), leave the caller's setting as it was
     print("\n".join(result["lines"]))
