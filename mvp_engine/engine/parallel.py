@@ -3,7 +3,7 @@ sequence-parallel forward of one micro-batch (``train.context_parallel_size``, `
 
 The world is a (DP, CP) device mesh, CP innermost (ranks ``d*N .. d*N + N-1`` share data-parallel rank d's rows,
 as torchtitan lays it out); it is built once, by :func:`build_layout`, and everything parallel takes it from the
-layout (a new dimension, e.g. ep, is one more name here). The data is sharded over DP (every CP rank of a group
+layout (EP: as (edp, ep), ``expert_parallel.py``). The data is sharded over DP (every CP rank of a group
 loads the same packs); each CP rank holds 1/N of every row's tokens (``mvp_engine.packing.sequence_parallel``),
 attention and linear attention run per head on the whole row (``ulysses``), the vision work is split by share
 (``sequence_media``). DDP or FSDP2 runs over the whole world: a parameter's gradient is the sum over CP ranks (each
