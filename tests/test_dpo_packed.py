@@ -151,3 +151,11 @@ def test_duplicated_prefix_on_what_cannot_share_it(records, name, backend):
     batch = collate_rows([[PairEncoder(encoder).encode(records[0])]], pad)
     with pytest.raises(ValueError, match="cannot mask a preference pair's branches|not supported on models with"):
         load_recipe(name).prepare_packed(batch, model, backend)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,shared", [("qwen3_vl", True), ("gemma3", False)])
+def test_more_families(records, name, shared):
+    """Qwen3-VL's M-RoPE (interleaved sections, timestamps) with the prefix shared; Gemma 3 (sliding windows,
+    bidirectional image blocks) with it duplicated, the layout its run takes."""
+    check_dpo_step(name, "sdpa", PreferenceSpec(beta=0.5, shared_prefix=shared), records)
