@@ -132,7 +132,12 @@ def _plan(cfg: DictConfig, recipe: Recipe, specs: RunSpecs, world_size: int) -> 
     model, parameters = prepare_model(recipe, cfg.model, specs.model, "eager", "plan")
     profile = recipe_cost_profile(recipe, model)
     # a CP group shares its rows: the data (and the steps) are split over the data-parallel ranks only
-    dataset = build_run_dataset(specs, encoder, profile, 0, layout.dp_size)
+    preference = preference_spec(cfg, specs)  # train.objective=dpo: the sources hold pairs, planned as items
+    if preference is None:
+        dataset = build_run_dataset(specs, encoder, profile, 0, layout.dp_size)
+    else:
+        dataset = pair_dataset(specs, preference, encoder, lambda pair_encoder, pairs: build_run_dataset(
+            specs, pair_encoder, profile, 0, layout.dp_size, records=pairs), model)
     return Run(recipe, cfg, specs, "plan", layout, processor, encoder, model, parameters, cost_profile=profile,
                dataset=dataset)
 
