@@ -72,10 +72,10 @@ def one_by_one():
     return [{"ids": s[None], "segments": torch.zeros(1, len(s), dtype=torch.long)} for s in SAMPLES]
 
 
-def train_step(model, group, scope="step", coef=0.1):
+def train_step(model, group, scope="step", coef=0.1, per_layer=False):
     """What ``TrainStep`` does with a balance: count (scope step), then per micro-batch record, add the share,
     backward. Returns the step's metrics and the router weights' gradients."""
-    balance = RouterBalance(model.routers(), coef, scope, reduce=lambda t: t)
+    balance = RouterBalance(model.routers(), coef, scope, reduce=lambda t: t, per_layer=per_layer)
     real = lambda batch: batch["segments"] >= 0  # noqa: E731
     balance.begin_step(group, real, lambda batch: model(batch["ids"]), torch.device("cpu"))
     model.zero_grad()
@@ -104,17 +104,18 @@ def test_padding_is_never_counted():
     assert balance._recorded().counts.sum(1).tolist() == [44.0, 44.0]  # what counting the padding would give
 
 
-@pytest.mark.parametrize("recompute", [False, True])
-def test_step_scope_is_the_same_packed_and_one_by_one(recompute):
+@pytest.mark.parametrize("recompute,per_layer", [(False, False), (True, False), (False, True)])
+def test_step_scope_is_the_same_packed_and_one_by_one(recompute, per_layer):
     """The packed micro-batch and the three samples accumulated give one aux loss and one router gradient; so
-    does an activation-checkpointed model (the hooks record in the forward, never in the recomputation)."""
+    does an activation-checkpointed model (the hooks record in the forward, never in the recomputation), and so does
+    the per-layer form."""
     (packed_metrics, packed_grads), (alone_metrics, alone_grads) = (
-        train_step(FakeMoE(recompute), group) for group in (packed(), one_by_one()))
+        train_step(FakeMoE(recompute), group, per_layer=per_layer) for group in (packed(), one_by_one()))
     assert abs(packed_metrics["aux_loss"] - alone_metrics["aux_loss"]) <= 1e-6
     assert packed_metrics["expert_load"] == alone_metrics["expert_load"]
     for a, b in zip(packed_grads, alone_grads):
         assert a.abs().max() > 0 and (a - b).abs().max() <= 1e-6 * a.abs().max()
-    reference = train_step(FakeMoE(), packed())[1]
+    reference = train_step(FakeMoE(), packed(), per_layer=per_layer)[1]
     assert all(torch.allclose(a, b, rtol=1e-6, atol=0) for a, b in zip(packed_grads, reference))
 
 
@@ -144,11 +145,26 @@ def test_aux_loss_and_load_formulas():
     assert expert_load(torch.tensor([[6.0, 0.0, 0.0, 2.0]])) == [3.0]
 
 
+
+def test_the_per_layer_form_sees_layers_collapsed_onto_different_experts():
+    """Two tokens, layer 0 sending both to experts 0 and 1, layer 1 to experts 2 and 3 (probabilities alike): pooled
+    over the layers every expert looks equally used (aux = k, the balanced value), per layer each router is collapsed
+    (aux = E, its most unbalanced value); on one layer the two forms are one."""
+    counts = torch.tensor([[2.0, 2.0, 0.0, 0.0], [0.0, 0.0, 2.0, 2.0]], dtype=torch.float64)
+    probs, tokens = counts.float() / TOP_K, torch.tensor(2.0, dtype=torch.float64)
+    assert float(aux_loss(counts, probs, tokens)) == pytest.approx(TOP_K)
+    assert float(aux_loss(counts, probs, tokens, per_layer=True)) == pytest.approx(EXPERTS)
+    assert float(aux_loss(counts[:1], probs[:1], tokens, per_layer=True)) == pytest.approx(
+        float(aux_loss(counts[:1], probs[:1], tokens)))
+
+
 def test_refusals_name_the_key():
     with pytest.raises(ConfigError, match=r"train.router_aux_loss_coef=-0.1 is invalid"):
         TrainSpec(router_aux_loss_coef=-0.1)
     with pytest.raises(ConfigError, match=r"train.router_aux_loss_scope='epoch' is invalid"):
         TrainSpec(router_aux_loss_scope="epoch")
+    with pytest.raises(ConfigError, match=r"train.router_aux_loss_layers='sum' is invalid"):
+        TrainSpec(router_aux_loss_layers="sum")
     with pytest.raises(ConfigError, match=r"train.router_aux_loss_coef=0.01 needs a mixture-of-experts model"):
         build_router_balance(None, 0.01, "step", reduce=lambda t: t)
     assert build_router_balance(None, None, "step", reduce=lambda t: t) is None

@@ -51,6 +51,7 @@ QUANTIZATIONS = ("none", "nf4", "int8")
 OBJECTIVES = ("sft", "dpo")  # train.objective: dpo trains on preference pairs (preference.py)
 # train.router_aux_loss_scope: over what the load-balancing loss's expert fractions are counted (router_balance.py)
 ROUTER_AUX_SCOPES = ("step", "micro_batch")
+ROUTER_AUX_LAYERS = ("pooled", "per_layer")  # train.router_aux_loss_layers: transformers' form, or per layer
 # The Hydra config root: conf/<recipe>.yaml is each recipe's primary config.
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
@@ -111,6 +112,7 @@ class TrainSpec:
     # (exact: one extra no-grad forward per micro-batch) or each micro-batch summed over the ranks
     router_aux_loss_coef: float | None = None
     router_aux_loss_scope: str = "step"
+    router_aux_loss_layers: str = "pooled"  # f and P pooled over the layers (transformers'), or per layer, averaged
     # aux-loss-free balancing (router_balance.py) of a model whose routers carry a correction bias (GLM-4.5V's
     # e_score_correction_bias): each step, bias += rate x sign(mean load - expert load) from the step's counts
     # over every rank's real tokens; 0: off (the bias stays as loaded)
@@ -180,6 +182,9 @@ class TrainSpec:
         rate = self.router_bias_update_rate
         if isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate < 0:
             raise ConfigError(f"train.router_bias_update_rate={rate!r} is invalid: allowed a float >= 0")
+        if self.router_aux_loss_layers not in ROUTER_AUX_LAYERS:
+            raise ConfigError(f"train.router_aux_loss_layers={self.router_aux_loss_layers!r} is invalid: allowed one "
+                              f"of {list(ROUTER_AUX_LAYERS)}")
         if self.router_aux_loss_scope not in ROUTER_AUX_SCOPES:
             raise ConfigError(f"train.router_aux_loss_scope={self.router_aux_loss_scope!r} is invalid: allowed one "
                               f"of {list(ROUTER_AUX_SCOPES)}")

@@ -7,7 +7,9 @@ it, pooled over the layers): with ``c[l, e]`` the top-k assignments of tokens to
 
     aux = E * sum_e f_e * P_e,   f_e = sum_l c[l, e] / (L * N),   P_e = sum_l s[l, e] / (L * N)
 
-and the objective adds ``coef * aux`` to the cross-entropy. The model computes it per forward, over whatever the
+and the objective adds ``coef * aux`` to the cross-entropy (``train.router_aux_loss_layers=per_layer``: each layer's
+``E * sum_e f[l, e] * P[l, e]`` averaged over the layers instead, Switch Transformer's and Megatron-Core's form; the
+same sums, exact in the same way). The model computes it per forward, over whatever the
 forward holds: a packed row's padding counts (no ``attention_mask`` reaches it under packing), and a pack of three
 samples gives another ``f`` than the three samples one by one, so a packed step is not the step one-by-one training
 takes (``tests/test_router_balance.py`` shows it). Here the sums run over the REAL tokens of the whole optimizer
@@ -48,6 +50,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -104,10 +107,17 @@ class RouterSums:
         return cls(flat[:size].view(layers, experts), flat[size:2 * size].view(layers, experts), flat[-1])
 
 
-def aux_loss(counts: torch.Tensor, probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+def aux_loss(counts: torch.Tensor, probs: torch.Tensor, tokens: torch.Tensor, per_layer: bool = False) -> torch.Tensor:
     """``E * sum_e f_e * P_e`` with ``f`` from ``counts`` and ``P`` from ``probs`` (either a part of the whole's
-    ``probs``: the gradient of the whole splits over its parts), both over ``tokens`` real tokens per layer."""
+    ``probs``: the gradient of the whole splits over its parts), both over ``tokens`` real tokens per layer: pooled
+    over the layers (transformers'), or ``per_layer``: each layer's ``E * sum_e f[l, e] * P[l, e]``, averaged over
+    the layers (Switch Transformer's loss per layer, Megatron-Core's), which also sees a layer whose router collapses
+    onto experts another layer leaves idle (pooled, the two look balanced)."""
     layers, experts = counts.shape
+    if per_layer:
+        denominator = tokens.clamp(min=1.0)
+        fraction = (counts / denominator).to(probs.dtype)
+        return experts * (fraction * probs / denominator.to(probs.dtype)).sum() / layers
     denominator = (tokens * layers).clamp(min=1.0)
     fraction = (counts.sum(0) / denominator).to(probs.dtype)
     return experts * (fraction * probs.sum(0) / denominator.to(probs.dtype)).sum()
@@ -127,8 +137,9 @@ class RouterBalance:
     training forwards' routing is summed for the metrics alone. ``reduce`` sums a tensor over every rank."""
 
     def __init__(self, routers: Routers, coef: float, scope: str, reduce: Callable[[torch.Tensor], torch.Tensor],
-                 bias_rate: float = 0.0):
+                 bias_rate: float = 0.0, per_layer: bool = False):
         self.routers, self.coef, self.scope, self.reduce = routers, float(coef), scope, reduce
+        self._aux = partial(aux_loss, per_layer=per_layer)  # train.router_aux_loss_layers
         self.bias_rate = float(bias_rate)
         self.layers, self.experts = len(routers.modules), routers.num_experts
         self._real: torch.Tensor | None = None  # while recording: the forward's real-token mask [B * L]
@@ -203,7 +214,7 @@ class RouterBalance:
                 total += self._recorded().detached().to(device)
         self._step = RouterSums.from_flat(self.reduce(total), self.layers, self.experts)
         self._seen = [self._step]
-        self._aux_values = [aux_loss(self._step.counts, self._step.probs, self._step.tokens)]
+        self._aux_values = [self._aux(self._step.counts, self._step.probs, self._step.tokens)]
 
     def micro_batch_loss(self, micro_batches: int) -> torch.Tensor | None:
         """``coef`` x this rank's share of the step's aux loss, from the forward just recorded (differentiable in
@@ -219,9 +230,9 @@ class RouterBalance:
         else:
             whole = RouterSums.from_flat(self.reduce(local.detached()), self.layers, self.experts)
             self._seen.append(whole)
-            self._aux_values.append(aux_loss(whole.counts, whole.probs, whole.tokens) / micro_batches)
+            self._aux_values.append(self._aux(whole.counts, whole.probs, whole.tokens) / micro_batches)
         device = local.probs.device
-        share = aux_loss(whole.counts.to(device), local.probs, whole.tokens.to(device))
+        share = self._aux(whole.counts.to(device), local.probs, whole.tokens.to(device))
         return self.coef * share / (1 if self.scope == "step" else micro_batches)
 
     def end_step(self) -> None:
@@ -231,7 +242,7 @@ class RouterBalance:
         if self._local:
             whole = RouterSums.from_flat(self.reduce(sum(self._local)), self.layers, self.experts)
             self._local, self._seen = [], [whole]
-            self._aux_values = [aux_loss(whole.counts, whole.probs, whole.tokens)]
+            self._aux_values = [self._aux(whole.counts, whole.probs, whole.tokens)]
         if not self.bias_rate or not self.routers.bias or not self._seen:
             return
         counts = sum(s.counts for s in self._seen)
@@ -246,7 +257,7 @@ class RouterBalance:
         mean expert's)."""
         if self._local:
             whole = RouterSums.from_flat(self.reduce(sum(self._local)), self.layers, self.experts)
-            self._seen, self._aux_values = [whole], [aux_loss(whole.counts, whole.probs, whole.tokens)]
+            self._seen, self._aux_values = [whole], [self._aux(whole.counts, whole.probs, whole.tokens)]
         counts = sum(s.counts for s in self._seen)
         return {"aux_loss": float(sum(self._aux_values)), "expert_load": expert_load(counts.cpu())}
 
@@ -267,8 +278,8 @@ def recorded_routers(model, read: Callable[[Any, int], tuple[torch.Tensor, torch
 
 
 def build_router_balance(routers: Routers | None, coef: float | None, scope: str,
-                         reduce: Callable[[torch.Tensor], torch.Tensor], bias_rate: float = 0.0
-                         ) -> RouterBalance | None:
+                         reduce: Callable[[torch.Tensor], torch.Tensor], bias_rate: float = 0.0,
+                         per_layer: bool = False) -> RouterBalance | None:
     """The run's :class:`RouterBalance` for a model with ``routers`` (None: no experts), ``coef`` being
     ``train.router_aux_loss_coef`` (None: the model config's, ``routers.aux_loss_coef``), ``bias_rate``
     ``train.router_bias_update_rate`` (refused for routers without a correction bias)."""
@@ -283,4 +294,5 @@ def build_router_balance(routers: Routers | None, coef: float | None, scope: str
     if bias_rate and not routers.bias:
         raise ConfigError(f"train.router_bias_update_rate={bias_rate!r} needs routers with a correction bias: "
                           f"{type(routers.modules[0]).__name__} has none (aux-loss-free balancing)")
-    return RouterBalance(routers, routers.aux_loss_coef if coef is None else coef, scope, reduce, bias_rate)
+    return RouterBalance(routers, routers.aux_loss_coef if coef is None else coef, scope, reduce, bias_rate,
+                         per_layer)

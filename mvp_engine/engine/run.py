@@ -167,7 +167,8 @@ def _assemble(cfg: DictConfig, recipe: Recipe, specs: RunSpecs, purpose: str) ->
     routers = recipe.moe_routers(model) if training and recipe.moe_routers is not None else None
     balance = build_router_balance(routers, train.router_aux_loss_coef if training else None,
                                    train.router_aux_loss_scope, lambda t: accelerator.reduce(t, reduction="sum"),
-                                   train.router_bias_update_rate if training else 0.0)
+                                   train.router_bias_update_rate if training else 0.0,
+                                   per_layer=train.router_aux_loss_layers == "per_layer")
     run = Run(recipe, cfg, specs, purpose, layout, processor, encoder, model, parameters, accelerator, output_dir,
               resume_from, identity, recipe.dummy_media(model), media_kinds(model, encoder))
     if training:
