@@ -1,5 +1,6 @@
 """train.objective=dpo through the real trainer: pairs read with their bad ones reported, the step's loss exact under
-gradient accumulation (one micro-batch of 2 packs == 2 micro-batches of 1), and the preference metrics logged.
+gradient accumulation (one micro-batch of 2 packs == 2 micro-batches of 1) and data parallelism (2 ranks), resumed
+bit for bit, and the preference metrics logged.
 
 With fresh LoRA adapters (peft starts them at zero) the policy is its reference, so the first step's DPO loss is
 exactly log 2 and its rewards 0: the reference really is the policy with its adapters off."""
@@ -11,7 +12,9 @@ import math
 
 import pytest
 
+from mvp_engine.engine.checkpoint import CHECKPOINTS
 from mvp_engine.engine.preference import METRICS
+from mvp_engine.engine.testkit.launch import read_metrics
 from mvp_engine.engine.testkit.preference import BAD_PAIRS, good_pairs
 from mvp_engine.engine.testkit.runs import train
 
@@ -33,7 +36,7 @@ def _records(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-SHAPES = {"one": ["train.micro_batch_size=2", "train.gradient_accumulation_steps=1"],
+SHAPES = {"one": ["train.micro_batch_size=2", "train.gradient_accumulation_steps=1", "train.save_every_steps=1"],
           "two": ["train.micro_batch_size=1", "train.gradient_accumulation_steps=2"]}
 
 
@@ -64,6 +67,16 @@ def test_dpo_run_is_exact_under_accumulation(runs):
     assert any(r["rewards/margin"] != 0 for r in one[1:]), "the adapters moved the policy off its reference"
     bad = [json.loads(line) for line in (runs / "one" / "bad_records.jsonl").read_text().splitlines()]
     assert sorted(b["reason"] for b in bad) == sorted(BAD_PAIRS)
+
+
+def test_dpo_resume_is_exact(runs, tmp_path, pairs_file):
+    """Resuming after step 1 trains the rest of the run bit for bit: metrics and the saved adapters."""
+    checkpoint = runs / "one" / CHECKPOINTS / "step_00000001"
+    train("llava", tmp_path, [*BASE, *SHAPES["one"], f"data.sources=[{pairs_file}]",
+                              f"train.resume_from={checkpoint}"])
+    assert read_metrics(tmp_path) == read_metrics(runs / "one")[1:]
+    adapters = "model/adapter_model.safetensors"
+    assert (tmp_path / adapters).read_bytes() == (runs / "one" / adapters).read_bytes()
 
 
 @pytest.mark.launch
