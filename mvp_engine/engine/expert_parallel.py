@@ -104,21 +104,22 @@ def split_experts(model: torch.nn.Module, world_mesh: DeviceMesh, size: int) -> 
     world = world_mesh.size()
     mesh = world_mesh._unflatten(0, (world // size, size, 1), (EDP, EP, ETP))
     rank = mesh.get_local_rank(EP)
-    names = []
+    group, names = mesh[EP].get_group(), []
     for prefix, module in expert_modules(model):
-        local = module.num_experts // size
+        local, split = module.num_experts // size, []
         for name, param in list(module.named_parameters(recurse=False)):
             if param.shape[0] != module.num_experts:
                 continue
             part = torch.nn.Parameter(param.detach()[rank * local:(rank + 1) * local].clone(),
                                       requires_grad=param.requires_grad)
-            setattr(part, SPLIT_GROUP, mesh[EP].get_group())
+            setattr(part, SPLIT_GROUP, group)
             setattr(module, name, part)
-            names.append(f"{prefix}.{name}")
+            split.append(name)
         module.num_experts = local  # the experts' own forward runs on local ids 0 .. local - 1
         # kept on the module too: FSDP2 replaces its parameters (DTensors, without the attribute)
-        setattr(module, SPLIT_GROUP, mesh[EP].get_group())
-        setattr(module, SPLIT_NAMES, tuple(n.rpartition(".")[2] for n in names if n.startswith(f"{prefix}.")))
+        setattr(module, SPLIT_GROUP, group)
+        setattr(module, SPLIT_NAMES, tuple(split))
+        names += [f"{prefix}.{name}" for name in split]
         dispatch = AllToAllEP(module, mesh[EP], mesh[ETP])
         module.forward = _forward(dispatch)
     return ExpertSplit(size, rank, tuple(names), mesh)
@@ -142,6 +143,8 @@ def shard_expert_replicas(model: torch.nn.Module, split: ExpertSplit, mixed_prec
     for _, module in expert_modules(model):
         fully_shard(module, mesh=split.mesh[EDP], mp_policy=policy, offload_policy=host)
         module.set_gradient_divide_factor(world)
+        if "nccl" not in torch.distributed.get_backend():  # gloo has no PREMUL_SUM, what a custom factor uses
+            module.set_force_sum_reduction_for_comms(True)
 
 
 def exclude_from_ddp(model: torch.nn.Module, split: ExpertSplit) -> None:
