@@ -1,7 +1,8 @@
 """Preference optimisation (``train.objective=dpo``): DPO-family losses over packed preference pairs.
 
-A pair is one packed segment (``mvp_engine.kit.mllm.data.pairs``): a prefix, then the chosen and the rejected
-continuation, told apart by ``pair_branch_ids``. One forward of the model gives both answers' per-token
+A pair is one packing item (``mvp_engine.kit.mllm.data.pairs``): one segment holding a prefix, then the chosen and
+the rejected continuation, or (the prefix duplicated) its two conversations as two segments; ``pair_branch_ids``
+tells the answers apart. One forward of the model gives both answers' per-token
 log-probabilities through the chunked path (``linear_loss.chunked_token_logprobs``: the supervised positions
 projected a chunk at a time, no logits); summed per continuation they are what every DPO variant reads.
 
