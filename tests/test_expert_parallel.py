@@ -73,9 +73,10 @@ def test_an_ep_size_that_does_not_divide_the_world_or_the_experts_or_a_model_wit
 @pytest.mark.slow
 @pytest.mark.launch
 def test_experts_split_over_the_context_parallel_ranks_train_what_one_process_trains(tmp_path):
-    """CP 2 x EP 2 on 2 processes: each row's tokens split over the two ranks (Ulysses) and each layer's experts too,
-    the EP group being the CP group; against qwen3_5_moe's CP suite's 1-process reference (shared where both run in
-    one session)."""
+    """CP 2 x EP 2 on 2 processes under DDP, layers recomputed in backward: each row's tokens split over the two
+    ranks (Ulysses) and each layer's experts too, the EP group being the CP group, the all-to-alls run again in the
+    recomputation; against qwen3_5_moe's CP suite's 1-process reference (shared where both run in one session)."""
     print(kit.check_split_training(RECIPE, tmp_path, split=(2, 2), reference=(1, 1),
                                    overrides=("train.router_aux_loss_coef=0.01",),
-                                   split_overrides=("train.expert_parallel_size=2",)))
+                                   split_overrides=("train.expert_parallel_size=2",
+                                                    "train.activation_checkpointing=true")))
