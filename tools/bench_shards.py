@@ -21,12 +21,13 @@ Phases, each in fresh ``python`` processes started here (RSS numbers are each pr
    it claims (``share.py``);
 3. ``warm``: one rank on the ``cold-2`` cache: nothing may be measured.
 
-Every process counts the records its encoder measured (``encoder.measure`` calls) and which shards they came
-from; the report checks that on each cold start every record was measured exactly once, every shard by one rank
-alone, and none on the warm start; each cache entry's ``done.json`` names the rank that wrote it. Then the
-projection to ``--project-records`` records on ``--project-ranks`` ranks, from the measured per-record cost of
-the 1-rank cold measure (per shard: that times the records per shard) and the 2-rank efficiency, and of the warm
-start from its per-shard cost.
+The start's CPU time (user + system, this process and its finished children) tells the ranks' share of the work from
+the wall time, which other work on the cores stretches. Every process counts the records its encoder measured
+(``encoder.measure`` calls) and which shards they came from; the report checks that on each cold start every record
+was measured exactly once, every shard by one rank alone, and none on the warm start; each cache entry's
+``done.json`` names the rank that wrote it. Then the projection to ``--project-records`` records on
+``--project-ranks`` ranks, from the measured per-record cost of the 1-rank cold measure (wall and CPU) and the 2-rank
+efficiency, and of the warm start from its per-shard cost.
 
     python tools/bench_shards.py [--records 10000] [--shards 20] [--workdir DIR] [--json PATH]
         [--project-records 100000000] [--project-ranks 64] [--project-shard-records 5000]
@@ -116,6 +117,12 @@ def _images(rng: np.random.Generator) -> list[tuple[str, bytes]]:
     return images
 
 
+def _cpu_seconds() -> float:
+    """User + system time of this process and its finished children."""
+    return sum(usage.ru_utime + usage.ru_stime
+               for usage in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)))
+
+
 def anon_bytes() -> int:
     """``RssAnon`` of this process (``/proc/self/status``): the heap and arrays, not the memory-mapped Arrow files."""
     with open("/proc/self/status") as status:
@@ -153,11 +160,13 @@ def phase_main(spec_path: str) -> None:
         return measure(record)
 
     encoder.measure = counted
+    cpu = _cpu_seconds()
     started = time.perf_counter()
     dataset = build_run_dataset(specs, encoder, cost_profile=None, rank=rank, world_size=world_size)
     opened = time.perf_counter()
     _ = dataset.metas
     done = time.perf_counter()
+    cpu = _cpu_seconds() - cpu
     packs = len(dataset.plan(0).packs)
     planned = time.perf_counter()
     again_s = None
@@ -169,7 +178,7 @@ def phase_main(spec_path: str) -> None:
     Path(spec["result"]).write_text(json.dumps({
         "rank": rank, "world_size": world_size, "started_at": time.time() - (planned - started),
         "open_s": opened - started, "measure_s": done - opened, "plan_s": planned - done,
-        "start_s": planned - started, "records": len(dataset.records), "measured": len(measured),
+        "start_s": planned - started, "cpu_s": cpu, "records": len(dataset.records), "measured": len(measured),
         "measured_distinct": len(set(measured)), "shards_measured": shards,
         "per_shard_counts": {s: sum(o.startswith(s + "#") for o in measured) for s in shards},
         "packs": packs, "again_s": again_s, "bad_records": dataset.bad_records.count,
@@ -251,31 +260,38 @@ def report(args: argparse.Namespace, cold1: list[dict], cold2: list[dict], warm:
         "cold_measure_h_ideal": args.project_records * per_record / args.project_ranks / 3600,
         "cold_measure_h_at_measured_efficiency": args.project_records * per_record / args.project_ranks
         / min(1.0, efficiency) / 3600,
+        # a rank with a core of its own: the CPU time a record cost, whatever else ran on the cores
+        "cold_measure_h_at_cpu_cost": args.project_records * one["cpu_s"] / records / args.project_ranks / 3600,
         "warm_start_s": w["start_s"] - w["again_s"] + per_shard_warm * project_shards, "shards": project_shards,
         "warm_per_shard_ms": 1e3 * per_shard_warm}
-    rows = [("cold, 1 rank", one["start_s"], one["open_s"], one["measure_s"], records / one["measure_s"],
-             one["peak_rss_bytes"], f"{len(one['shards_measured'])} shards, {one['measured']} records"),
-            *[(f"cold, 2 ranks: rank {r['rank']}", r["start_s"], r["open_s"], r["measure_s"],
+    rows = [("cold, 1 rank", one["start_s"], one["open_s"], one["measure_s"], one["cpu_s"],
+             records / one["measure_s"], one["peak_rss_bytes"],
+             f"{len(one['shards_measured'])} shards, {one['measured']} records"),
+            *[(f"cold, 2 ranks: rank {r['rank']}", r["start_s"], r["open_s"], r["measure_s"], r["cpu_s"],
                r["measured"] / r["measure_s"] if r["measure_s"] else 0.0, r["peak_rss_bytes"],
                f"{len(r['shards_measured'])} shards, {r['measured']} records") for r in cold2],
             ("cold, 2 ranks together", two_wall, max(r["open_s"] for r in cold2), two_measure,
-             records / two_measure, max(r["peak_rss_bytes"] for r in cold2), f"entries by rank {entries}"),
-            ("warm, 1 rank", w["start_s"], w["open_s"], w["measure_s"], 0.0, w["peak_rss_bytes"],
+             sum(r["cpu_s"] for r in cold2), records / two_measure, max(r["peak_rss_bytes"] for r in cold2),
+             f"entries by rank {entries}"),
+            ("warm, 1 rank", w["start_s"], w["open_s"], w["measure_s"], w["cpu_s"], 0.0, w["peak_rss_bytes"],
              f"{w['measured']} records measured")]
     lines = [f"{records:,} records in {shards} WebDataset shards ({records // shards:,} a shard), recipe {RECIPE}, "
              f"max_seq_len {args.max_seq_len}; shards written in {write_s:.1f} s; load average at the end "
              f"{os.getloadavg()[0]:.2f} (2 cores, shared)",
-             "| phase | start s | open s | measure s | records/s | peak RSS MiB | measured |",
-             "|---|---|---|---|---|---|---|",
-             *[f"| {name} | {start:.1f} | {opened:.1f} | {measure:.1f} | {rate:,.0f} | {rss / 2**20:,.0f} | {what} |"
-               for name, start, opened, measure, rate, rss, what in rows],
+             "| phase | start s | open s | measure s | CPU s | records/s | peak RSS MiB | measured |",
+             "|---|---|---|---|---|---|---|---|",
+             *[f"| {name} | {start:.1f} | {opened:.1f} | {measure:.1f} | {cpu:.1f} | {rate:,.0f} | "
+               f"{rss / 2**20:,.0f} | {what} |" for name, start, opened, measure, cpu, rate, rss, what in rows],
              f"2 ranks vs 1: measure {one['measure_s'] / two_measure:.2f}x faster (efficiency {efficiency:.0%}); "
              f"rank shares {[len(r['shards_measured']) for r in cold2]} shards",
              f"projection to {args.project_records:,} records ({project_shards:,.0f} shards of "
              f"{args.project_shard_records:,}) on {args.project_ranks} ranks, one measuring process each: "
-             f"{projection['per_record_ms']:.2f} ms a record measured; cold measure "
-             f"{projection['cold_measure_h_ideal']:.2f} h at full efficiency, "
-             f"{projection['cold_measure_h_at_measured_efficiency']:.2f} h at the measured 2-rank efficiency; "
+             f"{projection['per_record_ms']:.2f} ms a record measured (wall), "
+             f"{1e3 * one['cpu_s'] / records:.2f} ms of CPU; cold measure "
+             f"{projection['cold_measure_h_at_cpu_cost']:.2f} h at the CPU cost (a core per rank), "
+             f"{projection['cold_measure_h_ideal']:.2f} h at this wall cost, "
+             f"{projection['cold_measure_h_at_measured_efficiency']:.2f} h at this wall cost and the measured 2-rank "
+             "efficiency; "
              f"warm start {projection['warm_start_s']:.0f} s (this warm start's fixed part plus "
              f"{projection['warm_per_shard_ms']:.0f} ms a shard, its repeat's cost per shard of {records // shards:,} "
              "records, times the shards)"]
