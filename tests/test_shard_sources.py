@@ -25,7 +25,7 @@ from mvp_engine.engine.config import ConfigError, resolve_run_specs
 from mvp_engine.engine.run_identity import check_identity, run_identity
 from mvp_engine.engine.testkit.runs import run_on_ranks
 from mvp_engine.engine.trainer import Trainer
-from mvp_engine.kit.mllm.data import MLLMDataSpec, source_kind
+from mvp_engine.kit.mllm.data import MLLMDataSpec, MLLMRecordError, source_kind
 from mvp_engine.kit.mllm.data.bad_records import BadRecordReport
 from mvp_engine.kit.mllm.data.dataset import MLLMDataKit
 from mvp_engine.kit.mllm.data.measure import measure_store
@@ -226,3 +226,11 @@ def test_a_resume_over_a_shard_pattern_is_refused_once_a_shard_is_added(rows, tm
     (tmp_path / "more" / "shard-0.tar").rename(folder / "shard-2.tar")  # the pattern now matches a third shard
     with pytest.raises(ConfigError, match="data source 'shards' changed"):
         check_identity(before, identity(), tmp_path)
+
+
+def test_an_energon_prepared_folder_is_refused_rather_than_read_with_its_held_out_shards(rows, tmp_path):
+    write_shards(tmp_path / "prepared", rows[:2], shards=1)
+    assert source_kind(tmp_path / "prepared") == "webdataset"
+    (tmp_path / "prepared" / ".nv-meta").mkdir()  # what `energon prepare` adds: splits and an index not read here
+    with pytest.raises(MLLMRecordError, match="an Energon-prepared dataset .* name the training shards by pattern"):
+        source_kind(tmp_path / "prepared")

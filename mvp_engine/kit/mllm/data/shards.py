@@ -64,6 +64,7 @@ VIDEO_EXTENSIONS = frozenset({"mp4", "webm", "mkv", "avi", "mov"})
 NO_RECORD_MEMBER = "no_record_member"
 TRUNCATED_MEMBER = "truncated_member"
 _PATTERN_CHARS = set("*?[{")
+ENERGON_META = ".nv-meta"  # the folder `energon prepare` writes its splits and index into
 _INDEX_SCHEMA = pa.schema([("origin", pa.string()), ("shard", pa.int32()), ("json_offset", pa.int64()),
                            ("json_size", pa.int64()), ("media_names", pa.list_(pa.string())),
                            ("media_offsets", pa.list_(pa.int64())), ("media_sizes", pa.list_(pa.int64())),
@@ -87,6 +88,10 @@ def shard_files(path: str | os.PathLike) -> tuple[str, list[str]] | None:
         if not files:
             raise MLLMRecordError(f"{text}: data source not found (the pattern matches no file)", "invalid_source")
     elif os.path.isdir(text):
+        if os.path.isdir(os.path.join(text, ENERGON_META)):
+            raise MLLMRecordError(f"{text}: an Energon-prepared dataset ({ENERGON_META}): its split and index are not "
+                                  "read here, so its folder would train every shard, held-out ones included; name the "
+                                  "training shards by pattern instead (shard-{0000..0099}.tar)", "invalid_source")
         files = sorted(str(f) for f in Path(text).iterdir() if f.is_file() and f.suffix.lower() in SHARD_SUFFIXES)
         if not files:
             return None
