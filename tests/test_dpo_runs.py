@@ -70,13 +70,17 @@ def test_dpo_run_is_exact_under_accumulation(runs):
 
 
 def test_dpo_resume_is_exact(runs, tmp_path, pairs_file):
-    """Resuming after step 1 trains the rest of the run bit for bit: metrics and the saved adapters."""
+    """Resuming after step 1 trains the rest of the run bit for bit (metrics and the saved adapters); a resume with
+    another dpo.* setting is refused."""
     checkpoint = runs / "one" / CHECKPOINTS / "step_00000001"
     train("llava", tmp_path, [*BASE, *SHAPES["one"], f"data.sources=[{pairs_file}]",
                               f"train.resume_from={checkpoint}"])
     assert read_metrics(tmp_path) == read_metrics(runs / "one")[1:]
     adapters = "model/adapter_model.safetensors"
     assert (tmp_path / adapters).read_bytes() == (runs / "one" / adapters).read_bytes()
+    changed = train("llava", tmp_path / "changed", [*BASE, *SHAPES["one"], f"data.sources=[{pairs_file}]",
+                                                    f"train.resume_from={checkpoint}", "dpo.beta=0.9"], check=False)
+    assert changed.returncode != 0 and "dpo.beta" in changed.stdout + changed.stderr  # another objective: refused
 
 
 @pytest.mark.launch

@@ -346,6 +346,7 @@ class RunSpecs:
     attention: str
     model: ModelSpec = field(default_factory=ModelSpec)
     attention_why: str = ""  # how attention was chosen (choose_attention), for the start line
+    dpo: PreferenceSpec | None = None  # dpo.* when train.objective=dpo (preference.py)
 
 
 def schema_without(spec: type, *left_out: str) -> type:
@@ -526,7 +527,10 @@ def resolve_run_specs(cfg: DictConfig, supported_attention: tuple[str, ...]) -> 
     attention, why = choose_attention(str(cfg.attention.implementation), supported_attention, packing is not None,
                                       dtype)
     check_attention(attention, supported_attention, dtype=dtype)
-    return RunSpecs(data=data, demo=demo, train=train, attention=attention, model=model, attention_why=why)
+    dpo = None
+    if train.objective == "dpo":
+        dpo = _to_object(cfg.dpo, PreferenceSpec, "dpo") if cfg.get("dpo") is not None else PreferenceSpec()
+    return RunSpecs(data=data, demo=demo, train=train, attention=attention, model=model, attention_why=why, dpo=dpo)
 
 
 register_configs()

@@ -39,7 +39,7 @@ from mvp_engine.kit.mllm.data.pairs import BRANCH_FIELD, CHOSEN, REJECTED, PairE
 from mvp_engine.kit.mllm.data.preference_sources import read_preference_records
 from mvp_engine.packing import has_layer_types, has_linear_attention, takes_varlen_kwargs, unwrap_model
 
-from .config import ConfigError, PreferenceSpec, RunSpecs, _to_object
+from .config import ConfigError, PreferenceSpec, RunSpecs
 from .linear_loss import CHUNK_TOKENS, HeadInputs
 from .loss import WeightedTokenLoss
 
@@ -213,9 +213,9 @@ class PreferenceObjective:
 def preference_spec(cfg, specs: RunSpecs) -> PreferenceSpec | None:
     """The validated ``dpo.*`` of a run whose ``train.objective`` is dpo (None under sft); one line for what such a
     run cannot do yet: unpacked pairs, context parallelism, evaluation sets."""
-    if specs.train.objective != "dpo":
+    spec = specs.dpo
+    if spec is None:
         return None
-    spec = _to_object(cfg.dpo, PreferenceSpec, "dpo") if cfg.get("dpo") is not None else PreferenceSpec()
     if specs.data.packing is None:
         raise ConfigError("train.objective=dpo packs each pair as one item: add +packing=greedy (or bfd)")
     if specs.train.context_parallel_size != 1:

@@ -59,6 +59,7 @@ def run_identity(recipe: str, specs: RunSpecs) -> dict[str, Any]:
     data = specs.data
     settings = {"recipe": recipe, "attention": specs.attention,
                 "train": asdict(specs.train), "model": _model(specs), "packing": _plain(data.packing),
+                **({"dpo": asdict(specs.dpo)} if specs.dpo is not None else {}),
                 "data": {k: v for k, v in asdict(data).items() if k not in ("sources", "eval_sources", "packing")}}
     identity = {key: value for key, value in _flat(settings).items() if key not in ELASTIC}
     identity["data.sources"] = _sources(data.source_entries(), data)
