@@ -68,3 +68,26 @@ def test_a_quantized_base_is_refused_under_fsdp2_on_every_rank(bitsandbytes):
     quantize_base(built, spec)
     with pytest.raises(ConfigError, match=r"^model.quantization with train.sharding=fsdp2 is not supported"):
         parallelize(built, SimpleNamespace(shard=None), TrainSpec(sharding="fsdp2"), accelerator=object())
+
+
+def test_adapters_trained_on_a_4bit_base_save_against_the_unquantized_base(bitsandbytes, tmp_path_factory, tmp_path):
+    """The final save rebuilds the base unquantized and takes from the run's state dict what trained (the adapters),
+    not the packed 4-bit codes: the adapter folder holds the run's adapter weights."""
+    from safetensors.torch import load_file
+
+    from mvp_engine.engine.lora import add_adapters, save_adapters
+
+    case = shared_case(RECIPE, tmp_path_factory)
+    lora = LoraSpec(r=4)
+    model = case.recipe.build_model(case.model_cfg, SDPA_VARLEN)
+    quantize_base(model, ModelSpec(quantization="nf4", lora=lora))
+    model = add_adapters(model, lora)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_B." in name:
+                param.fill_(0.25)
+    state = model.state_dict()
+    save_adapters(lambda: case.recipe.build_model(case.model_cfg, SDPA_VARLEN), lora, state, tmp_path)
+    saved = load_file(tmp_path / "adapter_model.safetensors")
+    lora_b = [value for key, value in saved.items() if ".lora_B." in key]
+    assert lora_b and all(bool((value == 0.25).all()) for value in lora_b)

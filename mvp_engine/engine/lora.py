@@ -121,7 +121,16 @@ def save_adapters(build: Callable[[], torch.nn.Module], spec: LoraSpec, state_di
         base.save_pretrained(directory)
     peft_model = _peft_model(base, lora_config(base, spec))
     peft_model.peft_config["default"].base_model_name_or_path = str(Path(pretrained).resolve()) if pretrained else None
-    peft_model.base_model.model.load_state_dict(state_dict, assign=True)
+    own = peft_model.base_model.model.state_dict()
+    if any(key not in own for key in state_dict):
+        # a quantized base (model.quantization): its packed codes and constants are not the base built here, which
+        # is the one the run quantized (the seeded init or the pretrained weights, unquantized); the adapters and any
+        # modules_to_save copy are what trained
+        state_dict = {key: value for key, value in state_dict.items()
+                      if key in own and own[key].shape == value.shape}
+        peft_model.base_model.model.load_state_dict(state_dict, strict=False, assign=True)
+    else:
+        peft_model.base_model.model.load_state_dict(state_dict, assign=True)
     peft_model.save_pretrained(directory)
     if not spec.merge_on_save:
         return [directory]
