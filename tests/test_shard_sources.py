@@ -6,7 +6,8 @@ same packs, steps (estimated == actual) and losses as the JSONL; a folder of Arr
 each named by its file and row; a resume over a shard pattern (named by its folder) is refused once a shard is
 added. ``tools/check_data.py`` reads a tar shard holding
 every kind of bad member and names each by ``shard.tar#key``. Two pooled ranks measure a set of shards together:
-each shard once (the encoder's calls counted on both ranks), and a second start measures none.
+each shard once (the encoder's calls counted on both ranks), and a second start measures none; a rank's worker
+processes measure whole shards, each record once.
 """
 
 from __future__ import annotations
@@ -234,3 +235,36 @@ def test_an_energon_prepared_folder_is_refused_rather_than_read_with_its_held_ou
     (tmp_path / "prepared" / ".nv-meta").mkdir()  # what `energon prepare` adds: splits and an index not read here
     with pytest.raises(MLLMRecordError, match="an Energon-prepared dataset .* name the training shards by pattern"):
         source_kind(tmp_path / "prepared")
+
+
+class LoggingEncoder(FakeEncoder):
+    """FakeEncoder with a fingerprint that appends each record it measures, with its process id, to a file: a count
+    across forked worker processes."""
+
+    def __init__(self, log: Path):
+        self.log = log
+
+    def fingerprint(self) -> str:
+        return "logging-fake"
+
+    def measure(self, record):
+        with open(self.log, "a") as handle:
+            handle.write(f"{os.getpid()} {record.origin}\n")
+        return super().measure(record)
+
+
+def test_a_rank_s_worker_processes_measure_disjoint_shares_of_the_shards(tmp_path):
+    shards, per_shard = 4, 3
+    records = [{"id": f"r{i}", "conversations": [{"from": "human", "value": f"{3 + i} 0"},
+                                                 {"from": "gpt", "value": "ok"}]} for i in range(shards * per_shard)]
+    source = write_shards(tmp_path / "shards", records, shards=shards)
+    spec = MLLMDataSpec(sources=[source], cache_dir=str(tmp_path / "cache"), measure_workers=2)
+    log = tmp_path / "measured.log"
+    metas = measure_store(MLLMDataKit.open_store(spec), LoggingEncoder(log), BadRecordReport(), spec.cache_dir, 2)
+    measured = [line.split(" ", 1) for line in log.read_text().splitlines()]
+    assert sorted(origin for _, origin in measured) == sorted(
+        f"{tmp_path / 'shards'}/shard-{i // per_shard}.tar#{i:06d}" for i in range(len(records)))  # each once
+    assert os.getpid() not in {int(pid) for pid, _ in measured}  # measured in the forked workers
+    for shard in {origin.split("#")[0] for _, origin in measured}:  # a shard whole by one worker
+        assert len({pid for pid, origin in measured if origin.startswith(f"{shard}#")}) == 1
+    assert metas.length.tolist() == [3 + i for i in range(len(records))]
