@@ -132,8 +132,9 @@ class TrainStep:
         are returned; the update is the same (the mean of the ranks' gradients).
         """
         accelerator, reduction, timed = self.accelerator, self.train.loss_reduction, self.train.time_barrier
-        local = sum(self.objective.weights(b) if self.objective is not None
-                    else token_weights(b["labels"], b["pack_segment_ids"], reduction, self.span(b)).sum() for b in group)
+        local = sum(self.objective.weights(b) if self.objective is not None  # preference pairs (train.objective)
+                    else token_weights(b["labels"], b["pack_segment_ids"], reduction, self.span(b)).sum()
+                    for b in group)
         total = accelerator.reduce(torch.as_tensor(local, device=accelerator.device, dtype=torch.float64),
                                    reduction="sum")
         denominator = total.clamp(min=1e-12)
