@@ -4,7 +4,8 @@ The same eight records (images and text only) written as WebDataset tar shards (
 images as members: half named by the record, half by extension only) and as a folder of parquet files train the
 same packs, steps (estimated == actual) and losses as the JSONL; a folder of Arrow files reads the JSONL's records,
 each named by its file and row; a resume over a shard pattern (named by its folder) is refused once a shard is
-added. ``tools/check_data.py`` reads a tar shard holding
+added; a shard pattern is a mixture entry like any source (named by its folder, drawn ``repeat`` times).
+``tools/check_data.py`` reads a tar shard holding
 every kind of bad member and names each by ``shard.tar#key``. Two pooled ranks measure a set of shards together:
 each shard once (the encoder's calls counted on both ranks), and a second start measures none; a rank's worker
 processes measure whole shards, each record once.
@@ -26,7 +27,7 @@ from mvp_engine.engine.config import ConfigError, resolve_run_specs
 from mvp_engine.engine.run_identity import check_identity, run_identity
 from mvp_engine.engine.testkit.runs import run_on_ranks
 from mvp_engine.engine.trainer import Trainer
-from mvp_engine.kit.mllm.data import MLLMDataSpec, MLLMRecordError, source_kind
+from mvp_engine.kit.mllm.data import MLLMDataSpec, MLLMPackingSpec, MLLMRecordError, source_kind
 from mvp_engine.kit.mllm.data.bad_records import BadRecordReport
 from mvp_engine.kit.mllm.data.dataset import MLLMDataKit
 from mvp_engine.kit.mllm.data.measure import measure_store
@@ -268,3 +269,17 @@ def test_a_rank_s_worker_processes_measure_disjoint_shares_of_the_shards(tmp_pat
     for shard in {origin.split("#")[0] for _, origin in measured}:  # a shard whole by one worker
         assert len({pid for pid, origin in measured if origin.startswith(f"{shard}#")}) == 1
     assert metas.length.tolist() == [3 + i for i in range(len(records))]
+
+
+def test_a_shard_source_is_a_mixture_entry_drawn_repeat_times(tmp_path):
+    records = [{"id": f"r{i}", "conversations": [{"from": "human", "value": f"{20 + i} 0"},
+                                                 {"from": "gpt", "value": "ok"}]} for i in range(6)]
+    source = write_shards(tmp_path / "shards", records[:4], shards=2)
+    jsonl = tmp_path / "rest.jsonl"
+    jsonl.write_text("".join(json.dumps(record) + "\n" for record in records[4:]))
+    spec = MLLMDataSpec(sources=[{"path": source, "repeat": 2}, {"path": str(jsonl), "repeat": 0.5}],
+                        packing=MLLMPackingSpec(max_seq_len=64), cache_dir=str(tmp_path / "cache"))
+    dataset = MLLMDataKit.build_dataset(spec, FakeEncoder())
+    assert [entry.name for entry in dataset.sources] == ["shards", "rest"]
+    assert [t.records for t in dataset.epoch_sources()] == [8, 1]  # every shard record twice, half the JSONL's
+    assert dataset.estimate_total_steps(epochs=1) == sum(1 for _ in dataset.rank_packs()) > 0
