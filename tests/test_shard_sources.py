@@ -1,14 +1,14 @@
 """Shard sources train what the same records train as one JSONL file, and name a bad member by its origin.
 
 The same eight records (images and text only) written as WebDataset tar shards (a brace pattern over two shards,
-images as members: half named by the record, half by extension only) and as a folder of parquet files train the
-same packs, steps (estimated == actual) and losses as the JSONL; a folder of Arrow files reads the JSONL's records,
-each named by its file and row; a resume over a shard pattern (named by its folder) is refused once a shard is
-added; a shard pattern is a mixture entry like any source (named by its folder, drawn ``repeat`` times).
-``tools/check_data.py`` reads a tar shard holding
-every kind of bad member and names each by ``shard.tar#key``. Two pooled ranks measure a set of shards together:
-each shard once (the encoder's calls counted on both ranks), and a second start measures none; a rank's worker
-processes measure whole shards, each record once.
+images as members: half named by the record, half by extension only) and as a folder of parquet files train the same
+packs, steps (estimated == actual) and losses as the JSONL; a folder of Arrow files reads the JSONL's records, each
+named by its file and row; a resume over a shard pattern (named by its folder) is refused once a shard is added; a
+shard pattern is a mixture entry like any source (named by its folder, drawn ``repeat`` times).
+``tools/check_data.py`` reads a tar shard holding every kind of bad member and names each by ``shard.tar#key``. Two
+pooled ranks measure a set of shards together: each shard once (the encoder's calls counted on both ranks), and a
+second start measures none; a rank's worker processes measure whole shards, each record once. An Energon-prepared
+folder is refused, not read with its held-out shards.
 """
 
 from __future__ import annotations
