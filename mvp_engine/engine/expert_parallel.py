@@ -86,6 +86,9 @@ def expert_parallel(model: torch.nn.Module, layout, train, weights_from_rank0: b
         return None
     check_expert_parallel(size, layout.world_size, model)
     if weights_from_rank0:
+        # tried: rank 0's whole expert weights broadcast before the split, its state dict's experts left out of the
+        # broadcast after it: the weights arrived whole (checked), yet the gradients then differed from 1 rank's
+        # (grad norm 0.2 % at the first step), cause not found; refused until it is
         raise ConfigError(f"{KEY}={size} with model.pretrained under train.sharding=fsdp2 is not supported yet (the "
                           "other ranks receive rank 0's weights after the experts are split); use train.sharding=none")
     if train.time_barrier:
