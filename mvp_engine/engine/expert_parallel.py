@@ -146,7 +146,10 @@ def shard_expert_replicas(model: torch.nn.Module, split: ExpertSplit, mixed_prec
     for _, module in expert_modules(model):
         fully_shard(module, mesh=split.mesh[EDP], mp_policy=policy, offload_policy=host)
         module.set_gradient_divide_factor(world)
-        if "nccl" not in torch.distributed.get_backend():  # gloo has no PREMUL_SUM, what a custom factor uses
+        # gloo has no PREMUL_SUM, what a custom factor reduces with; torch 2.13 then sums and divides after, but
+        # over one replica it divides twice (the copy that stands for the reduce-scatter divides too): measured, the
+        # gradients 1/world of what they are. So only where replicas reduce
+        if "nccl" not in torch.distributed.get_backend() and split.mesh[EDP].size() > 1:
             module.set_force_sum_reduction_for_comms(True)
 
 
