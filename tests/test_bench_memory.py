@@ -83,11 +83,11 @@ def test_the_command_measures_on_two_ranks_and_its_numbers_hold(tmp_path, monkey
 def test_the_loss_mode_measures_chunked_below_full_and_computes_what_does_not_fit(capsys):
     """``--loss`` at tiny sizes: full runs where its computed size fits the budget and is printed as computed where
     not; the chunked loss's measured peak is far below full's at the same size (wall-clock is never asserted)."""
-    result = bench.main(["--loss", "--vocabs", "4096", "--lengths", "256", "2048", "--chunk-tokens", "64",
-                         "--budget-gib", str(12 * 1024 * 4096 / 2**30)])
+    result = bench.main(["--loss", "--vocabs", "4096", "--lengths", "256", "1024", "--chunk-tokens", "64",
+                         "--budget-gib", str(12 * 512 * 4096 / 2**30)])
     small, large = result["rows"]
     assert small["full"] is not None and large["full"] is None
     assert small["chunked"]["peak_bytes"] * 3 < small["full"]["peak_bytes"]
-    assert large["chunked"]["peak_bytes"] < large["full_computed_bytes"] / 20
+    assert large["chunked"]["peak_bytes"] < large["full_computed_bytes"] / 10
     assert "does not fit" in capsys.readouterr().out
     assert [t["name"] for t in result["targets"]] == ["chunked_peak", "chunked_time"]

@@ -186,8 +186,9 @@ def main(argv: list[str] | None = None) -> dict:
              f"{settings.length} packed tokens ({result.tokens} per rank, {result.vision_positions} vision "
              f"positions), activations {args.precision}",
              "per rank:", *plan_lines(result, args.gpu_gib)]
+    fits = result.total <= args.gpu_gib * GIB
     levers = []
-    for name, lever, cost in LEVERS:
+    for name, lever, cost in LEVERS if args.levers or not fits else ():  # each builds a model: only when asked
         changed, lora = pulled(settings, lever)
         if changed == settings and (not lora or args.lora_r):
             continue  # already pulled
@@ -197,7 +198,6 @@ def main(argv: list[str] | None = None) -> dict:
         levers.append((name, cost, plan(shapes[r][0], changed, shapes[r][1])))
     if args.levers:
         lines += ["each lever alone:", *(f"  {name:<36s} {r.total / GIB:>8.2f} GiB" for name, _, r in levers)]
-    fits = result.total <= args.gpu_gib * GIB
     if not fits and levers:
         lines.append(next_lever(levers, result, args.gpu_gib))
     out = {"preset": args.preset, "recipe": recipe, "settings": dataclasses.asdict(settings),
