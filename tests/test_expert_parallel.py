@@ -1,8 +1,8 @@
 """``train.expert_parallel_size``: the tiny Qwen3.5-MoE's experts (4 per layer, top-2) split over 2 gloo ranks, tokens
-dispatched all-to-all, with the load-balancing loss on: under FSDP2 it trains what 1 rank x accumulation 2 trains
-(losses, aux loss, grad norms, expert load, gathered final weights) and its mid-run checkpoint resumes the rest of the
-run exactly (each EP rank's expert slices under their own checkpoint keys); under DDP with CP 2 on the same ranks it
-trains what one process trains; the refusals, one line each."""
+dispatched all-to-all, with the load-balancing loss on: under FSDP2, from a pretrained folder, it trains what 1 rank x
+accumulation 2 trains (losses, aux loss, grad norms, expert load, gathered final weights) and its mid-run checkpoint
+resumes the rest of the run exactly (each EP rank's expert slices under their own checkpoint keys); under DDP with
+CP 2 on the same ranks it trains what one process trains; the refusals, one line each."""
 
 from __future__ import annotations
 
@@ -25,15 +25,27 @@ def common() -> list[str]:
     return [*COMMON, f"data.sources=[{kit.shared_mixed_jsonl()}]"]
 
 
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """The tiny model and its processor saved as a pretrained folder."""
+    folder = tmp_path_factory.mktemp(f"{RECIPE}_pretrained")
+    recipe, cfg = kit.load_recipe(RECIPE), kit.compose_config(RECIPE)
+    recipe.build_model(cfg.model, "sdpa").save_pretrained(folder)
+    recipe.build_processor(cfg.model).save_pretrained(folder)
+    return folder
+
+
 @pytest.mark.slow
 @pytest.mark.launch
-def test_experts_split_over_two_ranks_with_fsdp2_train_what_one_rank_accumulating_two_trains(tmp_path):
-    """DDP's path (the experts left out of its all-reduce, their gradients scaled by a hook) is the CP x EP run's
-    below."""
-    split = [*common(), "train.sharding=fsdp2", "train.expert_parallel_size=2", "train.gradient_accumulation_steps=1"]
+def test_experts_split_over_two_ranks_with_fsdp2_train_what_one_rank_accumulating_two_trains(pretrained, tmp_path):
+    """From a pretrained folder, which rank 0 alone reads: each whole expert weight reaches the other rank before
+    the split. DDP's path (the experts left out of its all-reduce, their gradients scaled by a hook) is the CP x EP
+    run's below."""
+    both = [*common(), f"model.pretrained={pretrained}"]
+    split = [*both, "train.sharding=fsdp2", "train.expert_parallel_size=2", "train.gradient_accumulation_steps=1"]
     out = kit.train(RECIPE, tmp_path, [*split, "train.save_every_steps=1", "train.keep_last=100"], nproc=2).stdout
     assert "expert parallelism: 4 experts per layer split over 2 ranks (2 each)" in out, out
-    one_dir = kit.cached_run(RECIPE, [*common(), "train.gradient_accumulation_steps=2"])
+    one_dir = kit.cached_run(RECIPE, [*both, "train.gradient_accumulation_steps=2"])
     two, one = kit.read_metrics(tmp_path), kit.read_metrics(one_dir)
     assert [m["samples"] for m in two] == [m["samples"] for m in one] and len(two) >= 4
     differences = {key: max(abs(a[key] - b[key]) for a, b in zip(two, one)) for key in ("loss", "aux_loss",

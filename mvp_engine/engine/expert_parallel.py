@@ -85,19 +85,31 @@ def expert_parallel(model: torch.nn.Module, layout, train, weights_from_rank0: b
     if size == 1:
         return None
     check_expert_parallel(size, layout.world_size, model)
-    if weights_from_rank0:
-        # tried: rank 0's whole expert weights broadcast before the split, its state dict's experts left out of the
-        # broadcast after it: the weights arrived whole (checked), yet the gradients then differed from 1 rank's
-        # (grad norm 0.2 % at the first step), cause not found; refused until it is
-        raise ConfigError(f"{KEY}={size} with model.pretrained under train.sharding=fsdp2 is not supported yet (the "
-                          "other ranks receive rank 0's weights after the experts are split); use train.sharding=none")
     if train.time_barrier:
         raise ConfigError(f"{KEY}={size} with train.time_barrier=true: its all-reduce would average different "
                           "experts; use one of them")
+    if weights_from_rank0:
+        experts_from_rank0(model)
     split = split_experts(model, layout.world_mesh, size)
     if layout.rank == 0:
         print(describe_experts(split, size * expert_modules(model)[0][1].num_experts))
     return split
+
+
+def experts_from_rank0(model: torch.nn.Module) -> None:
+    """A pretrained model under FSDP2 is read by rank 0 alone (the others built it on the meta device and receive
+    the rest from rank 0's state dict, ``sharding.load_full_state_dict``): each whole expert weight is broadcast from
+    rank 0 first, one at a time, so every rank can keep its own slice (the state dict broadcast after the split
+    would hand out rank 0's slices: ``parallelize`` leaves the experts out of it)."""
+    device = collective_device()
+    for _, module in expert_modules(model):
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.shape[0] != module.num_experts:
+                continue
+            whole = (param.detach().to(device).contiguous() if torch.distributed.get_rank() == 0
+                     else torch.empty(param.shape, dtype=param.dtype, device=device))
+            torch.distributed.broadcast(whole, src=0)
+            setattr(module, name, torch.nn.Parameter(whole, requires_grad=param.requires_grad))
 
 
 def split_experts(model: torch.nn.Module, world_mesh: DeviceMesh, size: int) -> ExpertSplit:

@@ -174,7 +174,7 @@ def parallelize(model, layout: ParallelLayout, train: TrainSpec, recipe=None, ac
             shard_expert_replicas(model, split, train.mixed_precision, train.offload)
         model = shard_model(model, train.mixed_precision, layout.world_mesh, train.offload)
         if weights_from_rank0:
-            load_full_state_dict(model, full)
+            load_full_state_dict(model, full, () if split is None else split.names)
     else:
         if split is not None:
             exclude_from_ddp(model, split)

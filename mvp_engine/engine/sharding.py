@@ -158,11 +158,15 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: tensor for name, tensor in state.items() if name not in tied}
 
 
-def load_full_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+def load_full_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor],
+                         keep: tuple[str, ...] = ()) -> None:
     """Rank 0's full ``state_dict`` broadcast into every rank's shards (the others pass ``{}`` and may have been
-    built on the meta device: their shards are allocated here)."""
-    set_model_state_dict(model, state_dict,
-                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    built on the meta device: their shards are allocated here). ``keep``: names every rank already holds its own
+    part of (experts split over ranks, ``expert_parallel.experts_from_rank0``): left out, the check that every
+    other name is there relaxed with them."""
+    state_dict = {name: value for name, value in state_dict.items() if name not in keep}
+    set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
+                                                                     strict=not keep))
 
 
 @contextmanager
