@@ -332,6 +332,7 @@ def run_loss(args: argparse.Namespace) -> dict:
         for length in args.lengths:
             progress(f"loss at L={length}, V={vocab}")
             rows.append(measure_loss(length, vocab, args.loss_hidden, args.chunk_tokens, args.budget_gib, args.seed))
+            progress(f"  {json.dumps(rows[-1])}")
     lines = [f"loss forward + backward from hidden states (hidden {args.loss_hidden}, fp32 on CPU, every position "
              f"supervised, chunks of {args.chunk_tokens}, torch threads {args.threads}); peak added memory from the "
              f"profiler's allocation events; full runs where {FULL_BYTES_PER_LOGIT} bytes per logit fit "
