@@ -30,7 +30,14 @@ def cpu_unless_marked_gpu(request, monkeypatch):
         monkeypatch.setenv(DEVICE_ENV, "cpu")
 
 
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by the markers
 def pytest_collection_modifyitems(config, items):
+    from mvp_engine.engine.testkit.suites import inherited_markers
+
+    for item in items:
+        if getattr(item, "cls", None) is not None:
+            for name in inherited_markers(item.cls, item.originalname):
+                item.add_marker(name)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA")

@@ -26,6 +26,19 @@ from ..config import AUTO_ATTENTION, ConfigError, check_attention, resolve_atten
 from ..lora import LoraSpec
 from . import experts
 
+SELECTION_MARKERS = ("slow", "launch", "gpu")
+
+
+def inherited_markers(cls: type, name: str) -> list[str]:
+    """The selection markers (``slow`` / ``launch`` / ``gpu``) a suite's check ``name`` carries where a base class
+    defines it but its override in ``cls`` does not: pytest reads an overriding method's own marks only, so a
+    recipe that overrides a launch-marked check to add assertions would run it in ``make test-fast``'s lane (and a
+    ``gpu`` one on a CPU). The root conftest adds them back to every collected test."""
+    own = {mark.name for mark in getattr(cls.__dict__.get(name), "pytestmark", [])}
+    based = {mark.name for base in cls.__mro__[1:] if name in base.__dict__
+             for mark in getattr(base.__dict__[name], "pytestmark", [])}
+    return sorted((based - own) & set(SELECTION_MARKERS))
+
 
 def backend_params(backends, training: bool) -> list:
     """``backends`` as pytest parameters, those that need CUDA for the case (``kit.needs_cuda``) marked ``gpu``:

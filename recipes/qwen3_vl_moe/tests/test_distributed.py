@@ -4,8 +4,6 @@ per-layer ``expert_load``): the router statistics are summed over both ranks' re
 before any backward (``train.router_aux_loss_scope=step``), so the whole objective, not only the cross-entropy, is
 the same on 2 ranks as on 1."""
 
-import pytest
-
 import mvp_engine.engine.testkit as kit
 from mvp_engine.engine.testkit.suites import DistributedSuite
 
@@ -14,8 +12,6 @@ class TestDistributed(DistributedSuite):
     recipe = "qwen3_vl_moe"
     overrides = ("train.router_aux_loss_coef=0.01",)
 
-    @pytest.mark.slow  # an override drops the suite method's markers: the same as DistributedSuite's
-    @pytest.mark.launch
     def test_two_ranks_train_what_one_rank_accumulating_two_trains(self, sharding, pretrained, tmp_path):
         """The suite's check, which compares ``aux_loss`` and ``expert_load`` where the runs log them; here they
         must: every step of the 2-rank run logs the aux loss and each MoE layer's load (busiest expert over the
