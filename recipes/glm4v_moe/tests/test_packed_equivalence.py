@@ -17,13 +17,18 @@ import torch
 from transformers import Glm4vMoeForConditionalGeneration
 
 from mvp_engine.engine.testing import collate_rows
-from mvp_engine.engine.testkit.suites import EquivalenceSuite, shared_case
+from mvp_engine.engine.testkit.suites import EquivalenceSuite, ExpertsSuite, shared_case
 from recipes.glm4v.packed import prepare_packed, prepare_padded
-
-TOL = 1e-5
 
 
 class TestPackedEquivalence(EquivalenceSuite):
+    recipe = "glm4v_moe"
+
+
+class TestExperts(ExpertsSuite):
+    """eager, batched_mm and grouped_mm (the configured one) agree on the packed case; the model's own aux loss
+    stays off in the recipe's kwargs."""
+
     recipe = "glm4v_moe"
 
 
@@ -74,35 +79,3 @@ def test_group_limited_routing_and_the_correction_bias(case):
     expected = logits.sigmoid().gather(1, biased)
     assert torch.allclose(biased_weights, expected / expected.sum(-1, keepdim=True), atol=1e-6)
     assert not torch.equal(biased.sort(-1).values, chosen.sort(-1).values)
-
-
-def test_experts_implementations_agree(case):
-    """eager (a loop over the experts hit), batched_mm and grouped_mm (the configured one) on the packed case:
-    the same logits and expert-weight gradients within 1e-5."""
-    results = {}
-    for name in ("grouped_mm", "eager", "batched_mm"):
-        model = case.recipe.build_model({**case.model_cfg, "experts_implementation": name}, "sdpa")
-        logits = model(**case.recipe.prepare_packed(case.batch, model, "sdpa")).logits
-        logits.square().mean().backward()
-        experts = moe_layer(model).experts
-        results[name] = (logits.detach(), experts.gate_up_proj.grad.clone(), experts.down_proj.grad.clone())
-    reference = results.pop("grouped_mm")
-    for name, tensors in results.items():
-        for ours, theirs in zip(reference, tensors):
-            scale = theirs.abs().max().clamp(min=1e-12)
-            assert ((ours - theirs).abs().max() / scale).item() <= TOL, name
-
-
-def test_the_models_own_aux_loss_stays_off_under_a_config_that_turns_it_on(case):
-    """A checkpoint may set ``output_router_logits``: the recipe's kwargs switch it off, so the packed forward on
-    eager runs and forms no aux loss of its own (the engine's is over the step's real tokens); left on, transformers'
-    aux loss fails on the 4-D block mask (it flattens the mask as [B * L])."""
-    model = case.recipe.build_model(case.model_cfg, "eager").eval()
-    model.config.text_config.output_router_logits = True
-    kwargs = case.recipe.prepare_packed(case.batch, model, "eager")
-    assert kwargs["output_router_logits"] is False
-    assert case.recipe.prepare_padded(case.alone(case.samples[0]), model, "eager")["output_router_logits"] is False
-    with torch.no_grad():
-        assert model(**kwargs).aux_loss is None
-        with pytest.raises(RuntimeError, match="must match the size"):
-            model(**{**kwargs, "output_router_logits": True})
