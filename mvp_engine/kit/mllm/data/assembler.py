@@ -204,54 +204,74 @@ def shuffle_buffer(order: Sequence[int], buffer_size: int, rng: np.random.Genera
     return [i for chunk in shuffled_chunks(np.asarray(order, dtype=np.int64), buffer_size, rng) for i in chunk]
 
 
-class GreedyAssembler(_LazyGroups, MLLMPackingAssembler):
+class FirstFitPacks:
     """Streaming first-fit over at most ``max_open_packs`` open packs; emits the fullest pack when stuck.
+
+    The greedy strategy's packer as an object, so that both the planner of an indexed epoch
+    (:class:`GreedyAssembler`) and the stream mode (``stream.py``, which checkpoints the open packs' items) pack with
+    the same code. Items are opaque (record indices, or a stream's record keys); ``open_items`` / ``open_rem`` /
+    ``open_media`` are the whole state: the items of each open pack, its remaining tokens and media slots (the
+    latter only tracked under a media cap), in opening order (first-fit order)."""
+
+    def __init__(self, spec: MLLMPackingSpec, open_items=(), open_rem=(), open_media=()):
+        self.cap, self.max_open = spec.max_seq_len, spec.max_open_packs
+        self.media_cap, self.count_cap = spec.max_media_per_pack, spec.max_samples_per_pack
+        self.open_items: list[list] = [list(items) for items in open_items]
+        self.open_rem: list[int] = list(open_rem)
+        self.open_media: list[int] = list(open_media)
+
+    def add(self, item, length: int, media: int, out: list) -> None:
+        """Place ``item`` (``length`` tokens, ``media`` items); the packs it completes are appended to ``out``."""
+        open_rem, open_items, open_media, media_cap = self.open_rem, self.open_items, self.open_media, self.media_cap
+        k = 0
+        n_open = len(open_rem)
+        while k < n_open:
+            if open_rem[k] >= length and (media_cap is None or open_media[k] >= media):
+                break
+            k += 1
+        if k == n_open:
+            if n_open >= self.max_open:
+                fullest = open_rem.index(min(open_rem))
+                out.append(open_items.pop(fullest))
+                open_rem.pop(fullest)
+                if media_cap is not None:
+                    open_media.pop(fullest)
+            open_rem.append(self.cap - length)
+            open_items.append([item])
+            if media_cap is not None:
+                open_media.append(media_cap - media)
+            k = len(open_rem) - 1
+        else:
+            open_rem[k] -= length
+            open_items[k].append(item)
+            if media_cap is not None:
+                open_media[k] -= media
+        if open_rem[k] == 0 or (self.count_cap is not None and len(open_items[k]) >= self.count_cap):
+            out.append(open_items.pop(k))
+            open_rem.pop(k)
+            if media_cap is not None:
+                open_media.pop(k)
+
+
+class GreedyAssembler(_LazyGroups, MLLMPackingAssembler):
+    """Streaming first-fit (:class:`FirstFitPacks`) fed from the seeded shuffle buffer.
 
     A generator end to end (shuffle buffer, open packs): its memory is the buffer plus the open packs, flat in the
     data set size."""
 
     def iter_groups(self, order, lengths, media_counts, rng):
-        spec = self.spec
-        cap = spec.max_seq_len
-        max_open = spec.max_open_packs
-        media_cap = spec.max_media_per_pack
-        count_cap = spec.max_samples_per_pack
-        open_rem: list[int] = []  # remaining tokens per open pack, in opening order (first-fit order)
-        open_items: list[list[int]] = []
-        open_media: list[int] = []  # remaining media slots, only tracked under a media cap
-        for chunk in shuffled_chunks(order, spec.buffer_size, rng):
+        packer = FirstFitPacks(self.spec)
+        add, done = packer.add, []
+        tracks_media = self.spec.max_media_per_pack is not None
+        for chunk in shuffled_chunks(order, self.spec.buffer_size, rng):
             chunk_lengths = lengths[chunk].tolist()
-            chunk_media = media_counts[chunk].tolist() if media_cap is not None else [0] * len(chunk)
+            chunk_media = media_counts[chunk].tolist() if tracks_media else [0] * len(chunk)
             for i, length, media in zip(chunk, chunk_lengths, chunk_media):
-                k = 0
-                n_open = len(open_rem)
-                while k < n_open:
-                    if open_rem[k] >= length and (media_cap is None or open_media[k] >= media):
-                        break
-                    k += 1
-                if k == n_open:
-                    if n_open >= max_open:
-                        fullest = open_rem.index(min(open_rem))
-                        yield open_items.pop(fullest)
-                        open_rem.pop(fullest)
-                        if media_cap is not None:
-                            open_media.pop(fullest)
-                    open_rem.append(cap - length)
-                    open_items.append([i])
-                    if media_cap is not None:
-                        open_media.append(media_cap - media)
-                    k = len(open_rem) - 1
-                else:
-                    open_rem[k] -= length
-                    open_items[k].append(i)
-                    if media_cap is not None:
-                        open_media[k] -= media
-                if open_rem[k] == 0 or (count_cap is not None and len(open_items[k]) >= count_cap):
-                    yield open_items.pop(k)
-                    open_rem.pop(k)
-                    if media_cap is not None:
-                        open_media.pop(k)
-        yield from open_items
+                add(i, length, media, done)
+                if done:
+                    yield from done
+                    done.clear()
+        yield from packer.open_items
 
 
 class BestFitDecreasingAssembler(_LazyGroups, MLLMPackingAssembler):
