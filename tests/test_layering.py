@@ -184,6 +184,49 @@ def test_the_layering_check_catches_what_it_names():
     assert layering_violations("recipes.qwen2_vl.model", "from recipes.qwen import build_qwen_model\n") == []
 
 
+# --- a recipe shares code with another family only through a generic layer -----------------------------------------
+
+# (importing family, imported family package): a recipe built on another family's parts on purpose, and why
+CROSS_FAMILY = {
+    ("internvl", "qwen"): "InternVL 3's language model is Qwen2's: its tokenizer asset is a Qwen2 BPE (qwen.tokens)",
+}
+
+
+def family_of(package: str) -> str:
+    """A recipe package's family: its leading letters (``qwen2_5_vl`` and ``qwen`` -> qwen, ``glm4v_moe`` -> glm)."""
+    return re.match(r"[a-z]+", package).group()
+
+
+def cross_family_imports(where: str, source: str) -> list[str]:
+    """Imports by the recipe module named ``where`` of another family's package that :data:`CROSS_FAMILY` does not
+    list, one line each: what two families share (GLM-4.1V's grid-patch tower is Qwen2-VL's) lives in a generic
+    layer. A package's ``where`` ends in ``__init__``, so its relative imports resolve inside it."""
+    own = family_of(where.split(".")[1])
+    found = []
+    for line, module in absolute_imports(where, source):
+        parts = module.split(".")
+        if parts[0] == "recipes" and len(parts) > 1 and family_of(parts[1]) != own \
+                and (own, family_of(parts[1])) not in CROSS_FAMILY:
+            found.append(f"{where}:{line}: imports {module} (another family's package)")
+    return found
+
+
+@pytest.mark.parametrize("path", sorted(p for p in (REPO_ROOT / "recipes").rglob("*.py") if p.parent.name != "recipes"),
+                         ids=lambda p: p.relative_to(REPO_ROOT).as_posix())
+def test_a_recipe_imports_no_other_familys_package(path):
+    where = ".".join(path.relative_to(REPO_ROOT).with_suffix("").parts)
+    assert cross_family_imports(where, path.read_text()) == []
+
+
+def test_the_cross_family_check_catches_what_it_names():
+    source = "from recipes.qwen import media_kwargs\nfrom recipes.glm4v import packed\nimport recipes.qwen.tokens\n"
+    assert cross_family_imports("recipes.glm4v_moe.packed", source) == [
+        "recipes.glm4v_moe.packed:1: imports recipes.qwen (another family's package)",
+        "recipes.glm4v_moe.packed:3: imports recipes.qwen.tokens (another family's package)"]
+    assert cross_family_imports("recipes.internvl.tokens", source) == [  # the listed pair only
+        "recipes.internvl.tokens:2: imports recipes.glm4v (another family's package)"]
+
+
 # --- product code imports no test code -----------------------------------------------------------------------------
 
 TEST_KIT = ("mvp_engine.engine.testkit", "mvp_engine.engine.testing")

@@ -15,13 +15,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate import init_empty_weights
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
+
+from mvp_engine.kit.mllm.data.video_patches import GridPatchVideoProcessor
 
 from .config import model_spec
 
@@ -47,12 +49,15 @@ def to_plain(cfg: Any) -> Any:
 class ProcessorBundle:
     """Tokenizer + PIL image processor, with the special-token ids the encoder and the model config need.
 
-    A recipe subclasses it to set ``image_token`` (the placeholder its chat template renders per image).
+    A recipe subclasses it to set ``image_token`` (the placeholder its chat template renders per image) and, where
+    its model takes videos, a default ``video_processor`` (saved beside the others; a grid-patch tower's:
+    :func:`grid_video_processor`).
     """
 
     tokenizer: PreTrainedTokenizerBase
     image_processor: Any
     image_token: str = "<image>"
+    video_processor: Any = None
 
     def token_id(self, token: str) -> int:
         token_id = self.tokenizer.convert_tokens_to_ids(token)
@@ -71,6 +76,8 @@ class ProcessorBundle:
     def save_pretrained(self, directory: str | Path) -> None:
         self.tokenizer.save_pretrained(directory)
         self.image_processor.save_pretrained(directory)
+        if self.video_processor is not None:
+            self.video_processor.save_pretrained(directory)
 
 
 def tokenizer_dir(cfg: Mapping, default: Path) -> str:
@@ -87,6 +94,21 @@ def build_processor_bundle(bundle_cls: Callable[..., ProcessorBundle], model_cfg
     if cfg.get("pretrained"):
         return bundle_cls(tokenizer, image_processor_cls.from_pretrained(cfg["pretrained"]))
     return bundle_cls(tokenizer, image_processor_cls(**image_kwargs))
+
+
+def grid_video_processor(model_cfg: Mapping | None, video: GridPatchVideoProcessor, image_processor,
+                         settings: tuple[str, ...]) -> GridPatchVideoProcessor:
+    """A grid-patch tower's video processor, its patch, merge and temporal patch sizes, mean and std taken from
+    ``image_processor`` so images and videos meet the tower alike: what ``model_cfg.pretrained`` saved (``video``'s
+    class, its defaults where the folder saved no video config), else ``video`` with the ``model.video_<key>``
+    overrides of each key in ``settings``."""
+    cfg = to_plain(model_cfg) or {}
+    patches = {"patch_size": int(image_processor.patch_size), "merge_size": int(image_processor.merge_size),
+               "temporal_patch_size": int(image_processor.temporal_patch_size),
+               "image_mean": tuple(image_processor.image_mean), "image_std": tuple(image_processor.image_std)}
+    if cfg.get("pretrained"):
+        return type(video).from_pretrained(cfg["pretrained"], **patches)
+    return replace(video, **patches, **{key: cfg[f"video_{key}"] for key in settings if cfg.get(f"video_{key}")})
 
 
 def build_hf_model(model_cls, model_cfg: Mapping | None, attn_implementation: str | dict,

@@ -28,6 +28,9 @@ from .model import Glm4vProcessorBundle
 from .tokens import ASSISTANT_TOKEN, BEGIN_IMAGE, BEGIN_VIDEO, END_IMAGE, END_VIDEO, IMAGE_TOKEN, PAD_TOKEN, VIDEO_TOKEN
 
 TYPE_FIELD = "mm_token_type_ids"
+# clips run through the image tower (``self.visual``): an image reaches every parameter a clip would, no dummy video
+# pass beside it
+TOWER_VIDEOS = VIDEOS.on_tower_of(IMAGES)
 
 
 class Glm4vSampleEncoder(ChatTemplateEncoder):
@@ -35,7 +38,7 @@ class Glm4vSampleEncoder(ChatTemplateEncoder):
 
     image_token = IMAGE_TOKEN
     video_token = VIDEO_TOKEN
-    video_kind = VIDEOS.on_tower_of(IMAGES)  # clips run through the image tower (``self.visual``): no dummy video pass
+    video_kind = TOWER_VIDEOS
     assistant_header = f"{ASSISTANT_TOKEN}\n"
     turn_end = PAD_TOKEN
     unsupervised_tokens = (BEGIN_IMAGE, END_IMAGE, BEGIN_VIDEO, END_VIDEO)

@@ -29,9 +29,16 @@ from transformers import Glm4vConfig, Glm4vForConditionalGeneration, PreTrainedT
 from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
 from transformers.models.glm4v.modeling_glm4v import Glm4vModel, Glm4vPreTrainedModel
 
-from mvp_engine.engine.builders import build_hf_model, build_processor_bundle, to_plain
+from mvp_engine.engine import flops
+from mvp_engine.engine.builders import (
+    ProcessorBundle,
+    build_hf_model,
+    build_processor_bundle,
+    grid_video_processor,
+    to_plain,
+)
+from mvp_engine.engine.grid_vision import grid_cost_profile, grid_dummy_media
 from mvp_engine.packing import FLASH_BACKENDS, sub_model_attention
-from recipes.qwen import QwenProcessorBundle, qwen_cost_profile, qwen_dummy_media
 
 from .tokens import BEGIN_IMAGE, BEGIN_VIDEO, END_IMAGE, END_VIDEO, IMAGE_TOKEN, PAD_TOKEN, VIDEO_TOKEN
 from .video import Glm4vVideoProcessor
@@ -41,10 +48,12 @@ DEFAULT_TOKENIZER_DIR = REPO_ROOT / "assets" / "tokenizers" / "glm4v"
 # the config.json model_type of a model.pretrained folder this recipe trains (Recipe.model_types)
 MODEL_TYPES = (Glm4vConfig.model_type,)
 VIDEO_SETTINGS = ("min_pixels", "max_pixels", "fps", "max_duration")  # model.video_<key>
+# model.visual is the (Qwen2-VL-style grid-patch) tower, its merger the projector
+VISION_PARTS = flops.VisionParts(tower=("visual",), projector=("merger",))
 
 
 @dataclass
-class Glm4vProcessorBundle(QwenProcessorBundle):
+class Glm4vProcessorBundle(ProcessorBundle):
     """Tokenizer + ``Glm4vImageProcessorPil`` + :class:`Glm4vVideoProcessor`; the image placeholder
     ``<|image|>`` (video frames use it too)."""
 
@@ -63,16 +72,8 @@ def build_processor(model_cfg: Mapping | None = None, tokenizer_dir: Path = DEFA
     size = {"shortest_edge": int(cfg.get("image_min_pixels") or 112 * 112),
             "longest_edge": int(cfg.get("image_max_pixels") or 28 * 28 * 15000)}
     bundle = build_processor_bundle(Glm4vProcessorBundle, cfg, Glm4vImageProcessorPil, tokenizer_dir, size=size)
-    images = bundle.image_processor
-    patches = {"patch_size": int(images.patch_size), "merge_size": int(images.merge_size),
-               "temporal_patch_size": int(images.temporal_patch_size), "image_mean": tuple(images.image_mean),
-               "image_std": tuple(images.image_std)}
-    if cfg.get("pretrained"):
-        video = Glm4vVideoProcessor.from_pretrained(cfg["pretrained"], **patches)
-    else:
-        video = Glm4vVideoProcessor(**patches, **{key: cfg[f"video_{key}"] for key in VIDEO_SETTINGS
-                                                  if cfg.get(f"video_{key}")})
-    return replace(bundle, video_processor=video)
+    return replace(bundle, video_processor=grid_video_processor(cfg, Glm4vVideoProcessor(), bundle.image_processor,
+                                                                VIDEO_SETTINGS))
 
 
 class MixedMediaPlaceholders:
@@ -143,5 +144,5 @@ def build_model(model_cfg: Mapping | None, attn_implementation: str = "sdpa",
                            tokenizer_dir)
 
 
-dummy_media = qwen_dummy_media  # one merged token of zero pixels: the vision tower's layout is Qwen2-VL's
-cost_profile = qwen_cost_profile  # and so are its module names (visual, merger) and its 2 x 2 merge
+dummy_media = grid_dummy_media  # one merged token of zero pixels: the vision tower's layout is Qwen2-VL's
+cost_profile = partial(grid_cost_profile, parts=VISION_PARTS)

@@ -32,14 +32,16 @@ from typing import Any
 
 import torch
 
+from mvp_engine.kit.mllm.data.media import IMAGES
 from mvp_engine.packing import prepare_packed_inputs, prepare_padded_inputs, unwrap_model
+from mvp_engine.packing.grid_media import grid_media_kwargs, grid_metadata
 from mvp_engine.packing.segment_rope import POSITION_ROWS, RopeIndex, precomputed_positions, segment_rope_positions
-from recipes.qwen import media_kwargs
-from recipes.qwen.packed import MEDIA, collated_metadata
 
-from .encoder import TYPE_FIELD
+from .encoder import TOWER_VIDEOS, TYPE_FIELD
 
 ATTENTION_BACKENDS = ("eager", "sdpa", "sdpa_varlen", "flash_attention_2")
+MEDIA = ((IMAGES, 1), (TOWER_VIDEOS, 2))  # each media kind with its mm_token_type_ids code
+MEDIA_KINDS = (IMAGES, TOWER_VIDEOS)
 
 
 def token_types(batch: dict[str, Any]) -> torch.Tensor:
@@ -73,16 +75,16 @@ def packed_position_ids(batch: dict[str, Any], model) -> torch.Tensor:
 
 
 def packed_metadata(model) -> Callable[[dict[str, Any]], dict[str, Any]]:
-    """The collator's ``metadata`` hook for ``model``'s packed batches: the Qwen families' (layout, media checked,
-    positions) with GLM-4.1V's positions."""
-    return partial(collated_metadata, positions=partial(rope_positions, rope_index=RopeIndex(model)))
+    """The collator's ``metadata`` hook for ``model``'s packed batches: layout, media checked against their grids,
+    GLM-4.1V's positions (``grid_metadata``)."""
+    return partial(grid_metadata, positions=partial(rope_positions, rope_index=RopeIndex(model)), kinds=MEDIA_KINDS)
 
 
 def prepare_packed(batch: dict[str, Any], model, attn_implementation: str) -> dict[str, Any]:
     """Model kwargs of a packed batch (no labels: the engine computes the loss from the logits)."""
     config = unwrap_model(model).config
     inputs = {**batch, "input_ids": model_input_ids(batch, config)}
-    media = media_kwargs(batch, checked=precomputed_positions(batch) is not None)
+    media = grid_media_kwargs(batch, MEDIA_KINDS, checked=precomputed_positions(batch) is not None)
     return prepare_packed_inputs(inputs, model, attn_implementation, position_ids=packed_position_ids(batch, model),
                                  position_rows=POSITION_ROWS, media=media, supported=ATTENTION_BACKENDS)
 
@@ -92,5 +94,5 @@ def prepare_padded(batch: dict[str, Any], model, attn_implementation: str) -> di
     ``mm_token_type_ids``, ``use_cache=False``."""
     config = unwrap_model(model).config
     inputs = {**batch, "input_ids": model_input_ids(batch, config)}
-    return prepare_padded_inputs(inputs, model, attn_implementation, media=media_kwargs(batch),
+    return prepare_padded_inputs(inputs, model, attn_implementation, media=grid_media_kwargs(batch, MEDIA_KINDS),
                                  mm_token_type_ids=token_types(batch).int())

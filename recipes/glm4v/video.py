@@ -1,6 +1,6 @@
 """GLM-4.1V's videos with numpy and PIL (``Glm4vVideoProcessor`` needs torchvision, which does not install beside
 this torch): its frame sampling, clip-wide size and per-frame timestamps on the Qwen2-VL patch layout its vision
-tower shares (the family package's ``QwenVideoProcessor`` supplies the layout, the decoding and the config files).
+tower shares (the kit's ``GridPatchVideoProcessor`` supplies the layout, the decoding and the config files).
 
 Sampling is ``Glm4vVideoProcessor.sample_frames`` with ``fps``: for a clip of at most ``max_duration`` seconds
 (duration = frames / source fps) ``n = max(floor(duration * fps), 1)`` frames at indices
@@ -16,19 +16,25 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from transformers.models.glm4v.image_processing_pil_glm4v import smart_resize
 
 from mvp_engine.kit.mllm.data.video import VideoInfo
-from recipes.qwen.video import QwenVideoProcessor
+from mvp_engine.kit.mllm.data.video_patches import GridPatchVideoProcessor
 
 
 @dataclass(frozen=True)
-class Glm4vVideoProcessor(QwenVideoProcessor):
-    """``Glm4vVideoProcessor``'s sampling, size and timestamps; ``min_frames`` / ``max_frames`` are not read (GLM
-    samples by rate and ``max_duration`` alone)."""
+class Glm4vVideoProcessor(GridPatchVideoProcessor):
+    """``Glm4vVideoProcessor``'s sampling (by rate and ``max_duration``), size and timestamps."""
 
     min_pixels: int = 112 * 112
     max_pixels: int = 28 * 28 * 2 * 30000
+    fps: float = 2.0
+    patch_size: int = 14
+    merge_size: int = 2
+    temporal_patch_size: int = 2
+    image_mean: tuple[float, ...] = tuple(OPENAI_CLIP_MEAN)
+    image_std: tuple[float, ...] = tuple(OPENAI_CLIP_STD)
     max_duration: float = 300.0
 
     video_processor_type = "Glm4vVideoProcessor"

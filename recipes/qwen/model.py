@@ -1,20 +1,20 @@
 """The Qwen families' model builder: a ``save_pretrained`` folder or a tiny seeded init whose vocabulary and
 special-token ids come from the tokenizer (:func:`qwen_tiny_config`), the vision tower keeping flash (it passes its
-own cu_seqlens); :func:`qwen_dummy_media`, the smallest image the vision tower takes, for the zero-weighted
-media pass; and :func:`qwen_cost_profile`, the cost model's reading of the Qwen vision side."""
+own cu_seqlens); and :data:`qwen_cost_profile`, the cost model's reading of the Qwen vision side (the engine's
+grid-patch tower profile where :data:`QWEN_VISION` says). Its dummy media are the engine's ``grid_dummy_media``."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
+from functools import partial
 from pathlib import Path
 
-import torch
 from transformers import PreTrainedTokenizerBase
 
 from mvp_engine.engine import flops
 from mvp_engine.engine.builders import build_hf_model, to_plain
-from mvp_engine.kit.mllm.data import CostProfile
-from mvp_engine.packing import FLASH_BACKENDS, sub_model_attention, unwrap_model
+from mvp_engine.engine.grid_vision import grid_cost_profile
+from mvp_engine.packing import FLASH_BACKENDS, sub_model_attention
 
 from .tokens import IM_END_TOKEN, IMAGE_TOKEN, PAD_TOKEN, VIDEO_TOKEN, VISION_END_TOKEN, VISION_START_TOKEN
 
@@ -57,18 +57,6 @@ def build_qwen_model(model_cls, config_cls, model_cfg: Mapping | None, attn_impl
     return build_hf_model(model_cls, model_cfg, attention, tiny_config, tokenizer_dir)
 
 
-def qwen_dummy_media(model) -> dict:
-    """``get_image_features`` kwargs for the smallest image the vision tower takes: one merged token (a
-    ``spatial_merge_size`` square of patches), zero pixels. Run zero-weighted on image-free micro-batches."""
-    vision = unwrap_model(model).config.vision_config
-    merge = vision.spatial_merge_size
-    patch_values = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
-    return {"pixel_values": torch.zeros(merge * merge, patch_values),
-            "image_grid_thw": torch.tensor([[1, merge, merge]])}
-
-
-def qwen_cost_profile(model: torch.nn.Module, unreachable: Iterable[str] = ()) -> CostProfile:
-    """The engine's cost profile (``mvp_engine.engine.flops``) of a Qwen-style vision side: :data:`QWEN_VISION`,
-    one media token per ``spatial_merge_size`` square of patches."""
-    merge = int(unwrap_model(model).config.vision_config.spatial_merge_size)
-    return flops.cost_profile(model, unreachable, QWEN_VISION, patches_per_media_token=merge * merge)
+# the cost model's reading of the Qwen vision side: its grid-patch tower (merge**2 patches per media token) where
+# QWEN_VISION says
+qwen_cost_profile = partial(grid_cost_profile, parts=QWEN_VISION)

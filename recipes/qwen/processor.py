@@ -11,7 +11,7 @@ from pathlib import Path
 
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from mvp_engine.engine.builders import ProcessorBundle, build_processor_bundle, to_plain
+from mvp_engine.engine.builders import ProcessorBundle, build_processor_bundle, grid_video_processor, to_plain
 
 from .tokens import IMAGE_TOKEN
 from .video import QwenVideoProcessor
@@ -26,10 +26,6 @@ class QwenProcessorBundle(ProcessorBundle):
 
     image_token: str = IMAGE_TOKEN
     video_processor: QwenVideoProcessor = field(default_factory=QwenVideoProcessor)
-
-    def save_pretrained(self, directory: str | Path) -> None:
-        super().save_pretrained(directory)
-        self.video_processor.save_pretrained(directory)
 
 
 def build_qwen_processor(model_cfg: Mapping | None = None, tokenizer_dir: Path | None = None, *,
@@ -50,13 +46,4 @@ def build_qwen_processor(model_cfg: Mapping | None = None, tokenizer_dir: Path |
         min_pixels=int(cfg.get("image_min_pixels") or image_pixels[0]),
         max_pixels=int(cfg.get("image_max_pixels") or image_pixels[1]), **image_settings,
     )
-    images = bundle.image_processor
-    patches = {"patch_size": int(images.patch_size), "merge_size": int(images.merge_size),
-               "temporal_patch_size": int(images.temporal_patch_size), "image_mean": tuple(images.image_mean),
-               "image_std": tuple(images.image_std)}
-    if cfg.get("pretrained"):
-        video = type(video).from_pretrained(cfg["pretrained"], **patches)
-    else:
-        video = replace(video, **patches, **{key: cfg[f"video_{key}"] for key in VIDEO_SETTINGS
-                                             if cfg.get(f"video_{key}")})
-    return replace(bundle, video_processor=video)
+    return replace(bundle, video_processor=grid_video_processor(cfg, video, bundle.image_processor, VIDEO_SETTINGS))

@@ -15,9 +15,10 @@ Frame sampling is ``Qwen2VLVideoProcessor.sample_frames`` with ``fps`` (how qwen
 them). A clip shorter than ``temporal_patch_size`` frames, where that formula leaves no frame, is taken whole.
 transformers' optional ``cap_pixels_per_frame`` (a total pixel budget per video) is not applied: its default is off.
 
-``token_count`` needs the :class:`VideoInfo` only (metadata), so ``measure`` never decodes; ``__call__`` decodes the
-same frames and gives the same counts. Pixel values differ slightly from transformers' (PIL's bicubic resize of
-each RGB frame here, torchvision's bicubic on the frame tensor there); grids, token counts and layout are the same.
+``token_count`` needs the :class:`VideoInfo` only (metadata), so ``measure`` never decodes; ``__call__`` (the kit's
+:class:`GridPatchVideoProcessor`) decodes the same frames and gives the same counts. Pixel values differ slightly
+from transformers' (PIL's bicubic resize of each RGB frame here, torchvision's bicubic on the frame tensor there);
+grids, token counts and layout are the same.
 
 :class:`Qwen3VideoProcessor` is ``Qwen3VLVideoProcessor`` (Qwen3-VL and Qwen3.5): the same patch layout, with
 ``patch_size`` 16 and mean/std 0.5, but its own sampling (``n = int(frames / source fps * fps)`` clamped to
@@ -30,73 +31,42 @@ width, and a clip of fewer than ``temporal_patch_size`` sampled frames is refuse
 
 from __future__ import annotations
 
-import json
 import math
-import os
-from dataclasses import dataclass, fields, replace
-from pathlib import Path
+from dataclasses import dataclass
 
 import numpy as np
 import torch
-from PIL import Image
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-from mvp_engine.kit.mllm.data.video import VideoInfo, load_video_frames
-from mvp_engine.kit.mllm.data.video_patches import normalize_frames, patchify
-
-CONFIG_NAME = "video_preprocessor_config.json"  # transformers' file name and keys, so real checkpoints read too
+from mvp_engine.kit.mllm.data.video import VideoInfo
+from mvp_engine.kit.mllm.data.video_patches import GridPatchVideoProcessor
 
 
 @dataclass(frozen=True)
-class QwenVideoProcessor:
-    """Frame sampling, per-frame size and patch layout of one model's videos; every field is a plain number, so
-    its ``repr`` states everything a video's token count depends on (the measure cache keys on it)."""
+class QwenVideoProcessor(GridPatchVideoProcessor):
+    """``Qwen2VLVideoProcessor``'s frame sampling and per-frame size on the kit's grid-patch layout."""
 
     min_pixels: int = 128 * 28 * 28
     max_pixels: int = 768 * 28 * 28
     fps: float = 2.0
-    min_frames: int = 4
-    max_frames: int = 768
     patch_size: int = 14
     merge_size: int = 2
     temporal_patch_size: int = 2
     image_mean: tuple[float, ...] = tuple(OPENAI_CLIP_MEAN)
     image_std: tuple[float, ...] = tuple(OPENAI_CLIP_STD)
+    min_frames: int = 4
+    max_frames: int = 768
 
     video_processor_type = "Qwen2VLVideoProcessor"  # written into video_preprocessor_config.json
 
     def __post_init__(self):
-        for field in fields(self):
-            value = getattr(self, field.name)
-            if field.name not in ("image_mean", "image_std") and not value > 0:
-                raise ValueError(f"video processor {field.name}={value!r} is invalid: allowed a positive number")
-        if self.min_pixels > self.max_pixels or self.min_frames > self.max_frames:
-            raise ValueError(f"video processor min/max are inverted: pixels {self.min_pixels}..{self.max_pixels}, "
-                             f"frames {self.min_frames}..{self.max_frames}")
+        super().__post_init__()
+        if self.min_frames > self.max_frames:
+            raise ValueError(f"video processor min/max are inverted: frames {self.min_frames}..{self.max_frames}")
         if self.max_frames < self.temporal_patch_size:
             raise ValueError(f"video processor max_frames={self.max_frames} is invalid: allowed at least "
                              f"temporal_patch_size={self.temporal_patch_size}")
-
-    @classmethod
-    def from_pretrained(cls, directory: str | os.PathLike, **defaults) -> QwenVideoProcessor:
-        """The settings a checkpoint saved (``video_preprocessor_config.json``), else ``defaults``."""
-        processor = cls(**defaults)
-        path = Path(directory) / CONFIG_NAME
-        if not path.is_file():
-            return processor
-        saved = json.loads(path.read_text())
-        size = saved.get("size") or {}
-        saved.update(min_pixels=size.get("shortest_edge", saved.get("min_pixels")),
-                     max_pixels=size.get("longest_edge", saved.get("max_pixels")))
-        given = {f.name: saved[f.name] for f in fields(cls) if saved.get(f.name) is not None}
-        return replace(processor, **{k: tuple(v) if isinstance(v, list) else v for k, v in given.items()})
-
-    def save_pretrained(self, directory: str | os.PathLike) -> None:
-        settings = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("min_pixels", "max_pixels")}
-        settings.update(size={"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels},
-                        do_sample_frames=True, video_processor_type=self.video_processor_type)
-        (Path(directory) / CONFIG_NAME).write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
 
     def frame_indices(self, info: VideoInfo) -> list[int]:
         """The frames sampled from the video, in order."""
@@ -112,37 +82,6 @@ class QwenVideoProcessor:
         """``(height, width)`` every sampled frame is resized to (raises for an aspect ratio over 200)."""
         return smart_resize(info.height, info.width, factor=self.patch_size * self.merge_size,
                             min_pixels=self.min_pixels, max_pixels=self.max_pixels)
-
-    def grid_thw(self, info: VideoInfo) -> tuple[int, int, int]:
-        height, width = self.frame_size(info)
-        frames = len(self.frame_indices(info))
-        return -(-frames // self.temporal_patch_size), height // self.patch_size, width // self.patch_size
-
-    def token_count(self, info: VideoInfo) -> int:
-        """Placeholder tokens of the video, from metadata alone."""
-        return math.prod(self.grid_thw(info)) // self.merge_size**2
-
-    def seconds_per_grid(self, info: VideoInfo) -> float:
-        """Seconds one temporal patch spans, from metadata alone: ``Qwen2_5_VLProcessor``'s ``second_per_grid_ts``
-        (``temporal_patch_size`` over the sampled rate, ``VideoMetadata.sampled_fps``), which Qwen2.5-VL's M-RoPE
-        multiplies into the clip's temporal positions."""
-        sampled_fps = len(self.frame_indices(info)) / info.num_frames * info.fps
-        return self.temporal_patch_size / sampled_fps
-
-    def __call__(self, videos: list[VideoInfo]) -> tuple[dict[str, torch.Tensor], list[int]]:
-        """``pixel_values_videos`` (patches of every video, in order), ``video_grid_thw`` and each video's token
-        count; the frames are decoded here."""
-        patches, grids = [], []
-        for info in videos:
-            height, width = self.frame_size(info)
-            frames = load_video_frames(info, self.frame_indices(info))
-            pixels = np.stack([np.asarray(frame.resize((width, height), Image.Resampling.BICUBIC)) for frame in frames])
-            values = normalize_frames(pixels, self.image_mean, self.image_std)
-            patches.append(patchify(values, self.patch_size, self.merge_size, self.temporal_patch_size))
-            grids.append(self.grid_thw(info))
-        grid = torch.tensor(grids, dtype=torch.long)
-        counts = (grid.prod(-1) // self.merge_size**2).tolist()
-        return {"pixel_values_videos": torch.from_numpy(np.concatenate(patches)), "video_grid_thw": grid}, counts
 
 
 @dataclass(frozen=True)

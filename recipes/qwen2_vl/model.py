@@ -18,13 +18,13 @@ from pathlib import Path
 
 from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
+from mvp_engine.engine.grid_vision import grid_dummy_media
 from recipes.qwen import (
     QwenProcessorBundle,
     QwenVideoProcessor,
     build_qwen_model,
     build_qwen_processor,
     qwen_cost_profile,
-    qwen_dummy_media,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -45,6 +45,6 @@ build_processor = partial(build_qwen_processor, tokenizer_dir=DEFAULT_TOKENIZER_
                           video=DEFAULT_VIDEO)
 build_model = partial(build_qwen_model, Qwen2VLForConditionalGeneration, Qwen2VLConfig,
                       tokenizer_dir=DEFAULT_TOKENIZER_DIR, vision_out="hidden_size")
-dummy_media = qwen_dummy_media
+dummy_media = grid_dummy_media
 cost_profile = qwen_cost_profile
 Qwen2VLProcessorBundle = QwenProcessorBundle  # the recipe's name for the shared bundle

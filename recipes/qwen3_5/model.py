@@ -20,13 +20,13 @@ from pathlib import Path
 from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
+from mvp_engine.engine.grid_vision import grid_dummy_media
 from recipes.qwen import (
     Qwen3VideoProcessor,
     QwenProcessorBundle,
     build_hybrid_model,
     build_qwen_processor,
     qwen_cost_profile,
-    qwen_dummy_media,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -63,5 +63,5 @@ def build_model(model_cfg: Mapping | None, attn_implementation: str = "sdpa") ->
                               attn_implementation, DEFAULT_TOKENIZER_DIR)
 
 
-dummy_media = qwen_dummy_media
+dummy_media = grid_dummy_media
 cost_profile = qwen_cost_profile

@@ -14,7 +14,8 @@ from functools import partial
 
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-from recipes.qwen import build_qwen_model, qwen_cost_profile, qwen_dummy_media
+from mvp_engine.engine.grid_vision import grid_dummy_media
+from recipes.qwen import build_qwen_model, qwen_cost_profile
 from recipes.qwen.qwen3_vl import QWEN3_VL_TOKENIZER_DIR, build_qwen3_vl_processor
 
 # the config.json model_type of a model.pretrained folder this recipe trains (Recipe.model_types)
@@ -25,5 +26,5 @@ MODEL_TYPES = (Qwen3VLConfig.model_type,)
 build_processor = build_qwen3_vl_processor
 build_model = partial(build_qwen_model, Qwen3VLForConditionalGeneration, Qwen3VLConfig,
                       tokenizer_dir=QWEN3_VL_TOKENIZER_DIR, vision_out="out_hidden_size")
-dummy_media = qwen_dummy_media
+dummy_media = grid_dummy_media
 cost_profile = qwen_cost_profile

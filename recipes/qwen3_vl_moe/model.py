@@ -24,8 +24,9 @@ from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 
 from mvp_engine.engine.builders import to_plain
 from mvp_engine.engine.experts import set_experts_implementation
+from mvp_engine.engine.grid_vision import grid_dummy_media
 from mvp_engine.engine.router_balance import recorded_routers
-from recipes.qwen import build_qwen_model, qwen_cost_profile, qwen_dummy_media
+from recipes.qwen import build_qwen_model, qwen_cost_profile
 from recipes.qwen.qwen3_vl import QWEN3_VL_TOKENIZER_DIR, build_qwen3_vl_processor
 
 # the config.json model_type of a model.pretrained folder this recipe trains (Recipe.model_types)
@@ -43,6 +44,6 @@ def build_model(model_cfg: Mapping | None, attn_implementation: str = "sdpa") ->
     return set_experts_implementation(model, (to_plain(model_cfg) or {}).get("experts_implementation"))
 
 
-dummy_media = qwen_dummy_media
+dummy_media = grid_dummy_media
 cost_profile = qwen_cost_profile
 moe_routers = recorded_routers
