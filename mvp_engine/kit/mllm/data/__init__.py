@@ -24,6 +24,8 @@ from .sources import MLLMRecordError, read_records
 from .spec import MLLMDataSpec, MLLMPackingSpec
 from .steps import estimate_total_steps, micro_batches_per_rank, optimizer_steps, packs_per_rank
 from .store import RecordStore, source_identity, source_kind
+from .stream import MLLMStreamDataset, StreamPlanner, stream_packing_problem
+from .stream_sources import IterableStream, RecordStream, ShardStream
 from .video import VideoInfo, load_video_frames, read_video_info
 from .video_patches import normalize_frames, patchify
 
@@ -53,7 +55,13 @@ __all__ = [
     "MLLMSample",
     "MLLMSource",
     "MLLMSampleEncoder",
+    "MLLMStreamDataset",
     "MLLMStreamingPackedDataset",
+    "IterableStream",
+    "RecordStream",
+    "ShardStream",
+    "StreamPlanner",
+    "stream_packing_problem",
     "OverlongSampleError",
     "RecordStore",
     "MediaKind",

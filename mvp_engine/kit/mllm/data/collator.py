@@ -18,7 +18,7 @@ PACKED_METADATA, PACKED_POSITIONS = "packed_metadata", "packed_position_ids"
 # Fields of a batch that only the engine reads (segment ids and labels, bookkeeping, media owners, faults in
 # transit): never a model kwarg (``mvp_engine.packing`` refuses them), never media to merge.
 BATCH_ONLY_FIELDS = frozenset({"labels", "pack_segment_ids", "source_sample_num", "cu_seqlens", "max_seqlen",
-                               "media_tokens", "sample_ids", "bad_records", "source_counts", *OWNER_KEYS,
+                               "media_tokens", "sample_ids", "bad_records", "source_counts", "data_state", *OWNER_KEYS,
                                PACKED_METADATA, PACKED_POSITIONS})
 NON_MEDIA_FIELDS = set(TOKEN_FIELDS) | set(TOKEN_FIELD_PADS) | BATCH_ONLY_FIELDS
 
@@ -85,6 +85,9 @@ class MLLMCollator:
         batch["sample_ids"] = [row["sample_ids"] for row in rows]
         # samples a decoding fault took out of their packs, travelling to the trainer (which may be another process)
         batch["bad_records"] = [bad for row in rows for bad in row.get("bad_records", ())]
+        states = [row["data_state"] for row in rows if "data_state" in row]
+        if states:  # the stream mode's position after the step the last row ends (stream.py)
+            batch["data_state"] = states[-1]
         if all("source_counts" in row for row in rows):  # per-source samples and tokens, summed over the rows
             batch["source_counts"] = torch.stack([row["source_counts"] for row in rows]).sum(0)
         media_keys = sorted({key for row in rows for key in row if key not in NON_MEDIA_FIELDS})

@@ -363,24 +363,11 @@ class _PackedDatasetBase:
         every rank keeps in step; the trainer counts and reports them (this may run in a DataLoader worker, whose
         own report nobody would read), each with the number of its ``source``. ``source_counts`` is the pack's
         samples, effective tokens and supervised tokens per source (one row each), for the per-source summary."""
-        lengths = self.plan(epoch).lengths
-        measured = self.metas.length
-        samples, bad, kept, segment_sources = [], [], [], []
-        for i, source in zip(record_indices, self.source_of(np.asarray(record_indices, dtype=np.int64)).tolist()):
-            record = self.records[i]
-            try:
-                sample = encode_as_measured(self.encoder, record, measured[i])
-            except MLLMRecordError as err:
-                bad.append({**BadRecord.from_error(err, "decode").to_dict(), "source": source})
-                continue
-            samples.append(sample.truncated(lengths[i]) if lengths[i] < sample.length else sample)
-            kept.append(source)
-            segment_sources.extend([source] * (len(sample.parts) or 1))  # a duplicated-prefix pair: two segments
-        inputs = MLLMPack(samples, self.media_handler).to_model_inputs()
-        inputs["bad_records"] = bad
-        inputs["source_counts"] = _source_counts(torch.tensor(kept, dtype=torch.long), inputs, len(self.sources),
-                                                 torch.tensor(segment_sources, dtype=torch.long))
-        return inputs
+        lengths, measured = self.plan(epoch).lengths, self.metas.length
+        sources = self.source_of(np.asarray(record_indices, dtype=np.int64)).tolist()
+        return encode_samples(self.encoder, self.media_handler, len(self.sources),
+                              ((self.records[i], measured[i], lengths[i], source)
+                               for i, source in zip(record_indices, sources)))
 
     def estimate_total_steps(self, epochs: int, micro_batch_size: int | None = None,
                              gradient_accumulation_steps: int | None = None) -> int:
@@ -390,6 +377,28 @@ class _PackedDatasetBase:
         return estimate_total_steps(counts, micro_batch_size or self.micro_batch_size,
                                     gradient_accumulation_steps or self.gradient_accumulation_steps, self.world_size,
                                     self.drop_last)
+
+
+def encode_samples(encoder: MLLMSampleEncoder, media_handler: MLLMMediaHandler, num_sources: int,
+                   members: Iterator[tuple[MLLMRecord, int, int, int]]) -> dict:
+    """One pack's model inputs from its ``(record, measured length, planned length, source number)`` members: what
+    an indexed plan's pack and a stream's pack (``stream.py``) both encode. A sample whose decoding fails leaves the
+    pack (``bad_records``, each with its ``source``); one planned shorter than it is gets truncated to its slot."""
+    samples, bad, kept, segment_sources = [], [], [], []
+    for record, measured, planned, source in members:
+        try:
+            sample = encode_as_measured(encoder, record, measured)
+        except MLLMRecordError as err:
+            bad.append({**BadRecord.from_error(err, "decode").to_dict(), "source": source})
+            continue
+        samples.append(sample.truncated(planned) if planned < sample.length else sample)
+        kept.append(source)
+        segment_sources.extend([source] * (len(sample.parts) or 1))  # a duplicated-prefix pair: two segments
+    inputs = MLLMPack(samples, media_handler).to_model_inputs()
+    inputs["bad_records"] = bad
+    inputs["source_counts"] = _source_counts(torch.tensor(kept, dtype=torch.long), inputs, num_sources,
+                                             torch.tensor(segment_sources, dtype=torch.long))
+    return inputs
 
 
 def _mixture(records: list[MLLMRecord] | RecordStore, spec: MLLMDataSpec) -> tuple[list[MLLMSource], np.ndarray]:
@@ -516,13 +525,23 @@ class MLLMDataKit:
                       media_handler: MLLMMediaHandler | None = None,
                       bad_records: BadRecordReport | None = None, micro_batch_size: int = 1,
                       gradient_accumulation_steps: int = 1,
-                      cost_profile: CostProfile | None = None) -> MLLMPackedDataset | MLLMStreamingPackedDataset:
+                      cost_profile: CostProfile | None = None, max_steps: int | None = None):
         """The dataset of packs over the spec's sources (a :class:`RecordStore`), or over ``records`` when given;
         ``bad_records`` collects the records left out (made from the spec's policy when not given, and reachable
         as ``dataset.bad_records``). ``micro_batch_size``, ``gradient_accumulation_steps`` and ``cost_profile`` (the
         model's, ``mvp_engine.engine.flops.cost_profile``) are what ``packing.balance=compute`` needs: the packs of
-        one optimizer step and the cost of each."""
+        one optimizer step and the cost of each.
+
+        ``data_spec.streaming``: the stream mode's dataset (``stream.MLLMStreamDataset``), ``max_steps`` optimizer
+        steps long, over the sources read in order (``records`` unused: nothing is indexed)."""
         bad_records = bad_records or BadRecordReport(data_spec.on_bad_record, data_spec.max_bad_fraction)
+        if data_spec.streaming:
+            from .stream import MLLMStreamDataset  # it encodes with this module's encode_samples
+
+            return MLLMStreamDataset(data_spec, encoder, max_steps, rank=rank, world_size=world_size,
+                                     micro_batch_size=micro_batch_size,
+                                     gradient_accumulation_steps=gradient_accumulation_steps,
+                                     media_handler=media_handler, bad_records=bad_records)
         records = MLLMDataKit.open_store(data_spec) if records is None else records
         packing = data_spec.packing
         streaming = packing is not None and packing.assembler_cls is None and (

@@ -98,6 +98,9 @@ class MLLMDataSpec:
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES  # a larger JSON/JSONL record is a bad record, left unread
     # folders (real paths: symlinks resolved) every source's media may lie in besides its image root and its folder
     media_roots: list[str] = field(default_factory=list)
+    # read the sources in order and pack from a seeded buffer, without an index or a measure pass (stream.py): for
+    # data that cannot be indexed first; the run's length is then train.max_steps
+    streaming: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.sources, str):
@@ -124,6 +127,8 @@ class MLLMDataSpec:
                 self.max_record_bytes < 1:
             raise ValueError(f"data.max_record_bytes={self.max_record_bytes!r} is invalid: allowed an int >= 1 "
                              f"(bytes; default {DEFAULT_MAX_RECORD_BYTES})")
+        if not isinstance(self.streaming, bool):
+            raise ValueError(f"data.streaming={self.streaming!r} is invalid: allowed true or false")
         if isinstance(self.media_roots, str):
             self.media_roots = [self.media_roots]
         if not all(isinstance(root, str) and root for root in self.media_roots):
@@ -153,10 +158,11 @@ class MLLMDataSpec:
     def eval_spec(self, source: MLLMSource) -> MLLMDataSpec:
         """One eval source as a data spec of its own, planned and packed like the training set (same packing and
         limits) but in record order and without balancing: an evaluation reads every record once, in a plan that
-        does not depend on the training seed's shuffle."""
+        does not depend on the training seed's shuffle. Indexed even in stream mode: an evaluation reads a known
+        set to its end."""
         packing = None if self.packing is None else replace(self.packing, balance="none")
         entry = {"path": source.path, "name": source.name, "image_root": source.image_root}
-        return replace(self, sources=[entry], eval_sources=[], shuffle=False, packing=packing)
+        return replace(self, sources=[entry], eval_sources=[], shuffle=False, packing=packing, streaming=False)
 
 
 def register_configs() -> None:
