@@ -22,14 +22,16 @@ weights each rank built) and their gradients handled where the wrapper would get
   by the world size: FSDP2 shards each experts module over the ``edp`` mesh with that divide factor; under DDP the
   expert parameters are left out of DDP's all-reduce and a gradient hook does it;
 - the gradient norm sums an expert parameter's squares over its EP group (``split_group``; ``sharding``);
-- the final save gathers each expert weight over the EP group (:func:`full_experts`).
+- the final save gathers each expert weight over the EP group (:func:`full_experts`) and saves with the whole
+  weights in the model (:func:`saved_whole`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -223,6 +225,27 @@ def full_experts(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             torch.distributed.all_gather(parts, local, group=group)
             gathered[f"{prefix}.{name}"] = torch.cat(parts).cpu()
     return gathered
+
+
+@contextmanager
+def saved_whole(model: torch.nn.Module, gathered: dict[str, torch.Tensor]) -> Iterator[torch.nn.Module]:
+    """``model`` with each split expert weight replaced by its whole (``gathered``: :func:`full_experts`) while
+    inside, for transformers' ``save_pretrained`` to see the shapes it sees without EP. Why: its reverse weight
+    conversions compare a tensor's shape with the model parameter's (Qwen3-VL-MoE's experts:
+    ``Transpose(1, 2, check_dims=True)``) and transpose where they differ, so against a slice's shape the whole
+    weight was saved transposed (measured: ``down_proj`` [4, 32, 64] where a run without EP saves [4, 64, 32], and
+    the square ``gate_up_proj`` [4, 64, 64] of the tiny config transposed, which loads back unnoticed). A no-op
+    without EP; the slices are back on exit."""
+    swapped = []
+    for prefix, module in expert_modules(model):
+        for name in getattr(module, SPLIT_NAMES, ()):
+            swapped.append((module, name, module._parameters[name]))
+            module._parameters[name] = torch.nn.Parameter(gathered[f"{prefix}.{name}"], requires_grad=False)
+    try:
+        yield model
+    finally:
+        for module, name, param in swapped:
+            module._parameters[name] = param
 
 
 def checkpoint_keys(model: torch.nn.Module) -> dict[str, str]:

@@ -30,7 +30,7 @@ from mvp_engine.kit.mllm.data.steps import estimate_total_steps
 from mvp_engine.packing.linear_attention import describe_linear_attention
 
 from .checkpoint import Checkpointer, RunState
-from .expert_parallel import full_experts
+from .expert_parallel import full_experts, saved_whole
 from .flops import batch_flops, device_peak_tflops
 from .launch import describe_processes, workers_for
 from .lora import save_adapters
@@ -434,7 +434,7 @@ class Trainer:
                 saved = save_adapters(lambda: self.recipe.build_model(self.cfg.model, self.specs.attention), lora,
                                       state_dict, partial)
             else:
-                with own_class(self.accelerator.unwrap_model(model)) as unwrapped:
+                with own_class(self.accelerator.unwrap_model(model)) as unwrapped, saved_whole(unwrapped, state_dict):
                     unwrapped.save_pretrained(partial, state_dict=state_dict)
                 saved = [partial]
             for directory in saved:

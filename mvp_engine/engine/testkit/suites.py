@@ -231,9 +231,15 @@ class DistributedSuite(RecipeSuite):
     @pytest.mark.slow
     @pytest.mark.launch
     def test_two_ranks_train_what_one_rank_accumulating_two_trains(self, sharding, pretrained, tmp_path):
-        two_dir = tmp_path / "two"
+        self.check_two_ranks(pretrained, tmp_path / "two", sharding)
+
+    def check_two_ranks(self, pretrained, two_dir, sharding: str, split_overrides: tuple[str, ...] = ()) -> str:
+        """The contract run's checks for a 2-rank run under ``sharding`` with ``split_overrides`` (e.g. a MoE
+        recipe's ``train.expert_parallel_size=2``) against the class's one 1-rank reference (``kit.cached_run``:
+        shared by every check of the class in a session); returns the 2-rank run's stdout."""
         out = kit.train(self.recipe, two_dir, [*self.common(pretrained), f"train.sharding={sharding}",
-                                               "train.gradient_accumulation_steps=1"], nproc=2).stdout
+                                               "train.gradient_accumulation_steps=1", *split_overrides],
+                        nproc=2).stdout
         one_dir = kit.cached_run(self.recipe, [*self.common(pretrained), "train.gradient_accumulation_steps=2"])
         two, one = kit.read_metrics(two_dir), kit.read_metrics(one_dir)
         assert ("sharding: fsdp2 over 2 ranks" in out) == (sharding == "fsdp2"), out
@@ -248,6 +254,10 @@ class DistributedSuite(RecipeSuite):
             assert max(abs(a["aux_loss"] - b["aux_loss"]) for a, b in zip(two, one)) <= 1e-5
             assert [a["expert_load"] for a in two] == [b["expert_load"] for b in one]
         difference = kit.max_weight_difference(kit.final_weights(two_dir), kit.final_weights(one_dir))
+        print(f"{self.recipe} 2 ranks {sharding} {' '.join(split_overrides)} vs 1 rank x accumulation 2: "
+              f"{len(two)} steps, max differences: " + ", ".join(
+                  f"{key} {max(abs(a[key] - b[key]) for a, b in zip(two, one)):.1e}"
+                  for key in ("loss", "aux_loss", "grad_norm") if key in one[0]) + f", weights {difference:.1e}")
         assert difference <= 1e-5, f"parameters differ by {difference}"
         summary = kit.read_summary(two_dir)
         assert summary["world_size"] == 2 and summary["sharding"] == sharding
@@ -258,6 +268,7 @@ class DistributedSuite(RecipeSuite):
         loaded = [recipe.build_model(kit.compose_config(self.recipe, [f"model.pretrained={run / 'model'}"]).model,
                                      "sdpa").state_dict() for run in (two_dir, one_dir)]
         assert kit.max_weight_difference(*loaded) <= 1e-5
+        return out
 
 
 class EncoderSuite(RecipeSuite):
