@@ -1,14 +1,17 @@
 """Shard sources train what the same records train as one JSONL file, and name a bad member by its origin.
 
 The same eight records (images and text only) written as WebDataset tar shards (a brace pattern over two shards,
-images as members: half named by the record, half by extension only) and as a folder of parquet files train the same
-packs, steps (estimated == actual) and losses as the JSONL; a folder of Arrow files reads the JSONL's records, each
-named by its file and row; a resume over a shard pattern (named by its folder) is refused once a shard is added; a
-shard pattern is a mixture entry like any source (named by its folder, drawn ``repeat`` times).
+images as members: half named by the record, half by extension only), as an Energon-prepared folder of such shards
+and as a folder of parquet files train the same packs, steps (estimated == actual) and losses as the JSONL; a folder
+of Arrow files reads the JSONL's records, each named by its file and row; a resume over a shard pattern (named by its
+folder) is refused once a shard is added; a shard pattern is a mixture entry like any source (named by its folder,
+drawn ``repeat`` times).
 ``tools/check_data.py`` reads a tar shard holding every kind of bad member and names each by ``shard.tar#key``. Two
 pooled ranks measure a set of shards together: each shard once (the encoder's calls counted on both ranks), and a
 second start measures none; a rank's worker processes measure whole shards, each record once. An Energon-prepared
-folder is refused, not read with its held-out shards.
+folder (megatron-energon's own ``prepare`` code) trains the JSONL's packs from its ``train`` split part alone (a
+held-out shard and an excluded sample beside it), names its bad members as a tar shard does, and is refused in one
+line when it is typed by a field map or megatron-energon is missing.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
+import sys
 import tarfile
 from pathlib import Path
 
@@ -76,6 +81,36 @@ def write_shards(folder: Path, rows: list[dict], shards: int) -> str:
     return str(folder / f"shard-{{0..{shards - 1}}}.tar")
 
 
+def prepare_energon(folder: Path, train: list[str], held_out: list[str], excluded: list[str] = ()) -> str:
+    """``folder``'s tar shards prepared by megatron-energon's own ``energon prepare`` code: ``train`` (shard names)
+    the ``train`` split part, ``held_out`` the ``val`` part; ``excluded`` (``shard.tar/key``) added to the split's
+    excludes, as a user edits ``split.yaml``. A crude ``dataset.yaml``, as ``energon prepare`` writes for one."""
+    import yaml
+    from megatron.energon.flavors.webdataset.prepare import WebdatasetPreparator
+
+    parts = [(part, "|".join(f"^{re.escape(name)}$" for name in names))
+             for part, names in (("train", train), ("val", held_out)) if names]
+    WebdatasetPreparator.prepare_dataset(folder, train + held_out, workers=1, split_parts_patterns=parts)
+    split = folder / ".nv-meta" / "split.yaml"
+    split.write_text(yaml.safe_dump({**yaml.safe_load(split.read_text()), "exclude": list(excluded)}))
+    (folder / ".nv-meta" / "dataset.yaml").write_text("__module__: megatron.energon\n__class__: CrudeWebdataset\n")
+    return str(folder)
+
+
+def write_energon(folder: Path, rows: list[dict]) -> str:
+    """``rows`` in two train shards of an Energon-prepared folder, beside a held-out shard and an excluded sample
+    (records the JSONL does not hold: reading them would change the packs)."""
+    write_shards(folder, rows, shards=2)
+    extra = [{"id": f"held{i}", "conversations": [{"from": "human", "value": "held out"},
+                                                   {"from": "gpt", "value": "never trained"}]} for i in range(3)]
+    with tarfile.open(folder / "shard-2.tar", "w") as tar:  # the val part's shard
+        for i, record in enumerate(extra[:2]):
+            add_member(tar, f"val{i:03d}.json", json.dumps(record).encode())
+    with tarfile.open(folder / "shard-1.tar", "a") as tar:  # a train shard's sample the split excludes
+        add_member(tar, "dropped.json", json.dumps(extra[2]).encode())
+    return prepare_energon(folder, ["shard-0.tar", "shard-1.tar"], ["shard-2.tar"], ["shard-1.tar/dropped"])
+
+
 def write_parquet_folder(folder: Path, rows: list[dict], files: int) -> str:
     folder.mkdir(parents=True, exist_ok=True)
     rows = [{"image": None, **row} for row in rows]  # one schema in every file
@@ -106,11 +141,13 @@ def reference(rows, images, tmp_path_factory) -> dict:
     return train(str(jsonl), directory / "run", images)
 
 
-@pytest.mark.parametrize("kind", ["webdataset", "parquet_shards"])
+@pytest.mark.parametrize("kind", ["webdataset", "energon", "parquet_shards"])
 def test_a_shard_source_trains_the_packs_and_steps_of_the_same_records_in_jsonl(rows, images, reference, tmp_path,
                                                                                kind):
     if kind == "webdataset":
         source = write_shards(tmp_path / "shards", rows, shards=2)
+    elif kind == "energon":
+        source = write_energon(tmp_path / "prepared", rows)
     else:
         source = write_parquet_folder(tmp_path / "parquet", rows, files=3)
     assert source_kind(source) == kind
@@ -230,11 +267,44 @@ def test_a_resume_over_a_shard_pattern_is_refused_once_a_shard_is_added(rows, tm
         check_identity(before, identity(), tmp_path)
 
 
-def test_an_energon_prepared_folder_is_refused_rather_than_read_with_its_held_out_shards(rows, tmp_path):
-    write_shards(tmp_path / "prepared", rows[:2], shards=1)
-    assert source_kind(tmp_path / "prepared") == "webdataset"
-    (tmp_path / "prepared" / ".nv-meta").mkdir()  # what `energon prepare` adds: splits and an index not read here
-    with pytest.raises(MLLMRecordError, match="an Energon-prepared dataset .* name the training shards by pattern"):
+def test_check_data_names_each_bad_member_of_an_energon_source_by_shard_and_key(rows, tmp_path):
+    """Energon's index, not a scan of the tar, says where members lie; a bad one is named as a tar shard's is."""
+    image_row, text_row = rows[0], rows[1]
+    png = Path(image_row["image"]).read_bytes()
+    folder = tmp_path / "prepared"
+    folder.mkdir()
+    shard = folder / "bad.tar"
+    with tarfile.open(shard, "w") as tar:
+        add_member(tar, "good.json", json.dumps({**image_row, "image": "good.png"}).encode())
+        add_member(tar, "good.png", png)
+        add_member(tar, "broken.json", b'{"conversations": [')
+        add_member(tar, "orphan.png", png)
+        add_member(tar, "absent.json", json.dumps({**image_row, "id": "absent", "image": "nowhere.png"}).encode())
+        add_member(tar, "cut.json", json.dumps({**image_row, "id": "cut", "image": None}).encode())
+        add_member(tar, "cut.png", png[:len(png) // 2])
+        add_member(tar, "text.json", json.dumps(text_row).encode())
+    prepare_energon(folder, ["bad.tar"], [])
+    cfg = kit.compose_config(RECIPE, [f"data.sources=[{folder}]", f"data.cache_dir={tmp_path / 'cache'}"])
+    report = check_records(cfg, RECIPE, decode=True, workers=1)
+    assert {bad.origin: (bad.reason, bad.stage) for bad in report.records.values()} == {
+        f"{shard}#broken": ("invalid_json", "read"), f"{shard}#orphan": ("no_record_member", "read"),
+        f"{shard}#absent": ("missing_image", "read"), f"{shard}#cut": ("corrupt_image", "decode")}
+    assert report.records_read == 6
+
+
+def test_an_energon_folder_is_refused_in_one_line_when_energon_cannot_read_it(rows, tmp_path, monkeypatch):
+    """A typed dataset (a field map over its parts) and a missing megatron-energon each stop the config check."""
+    source = write_shards(tmp_path / "prepared", rows[:2], shards=1)
+    prepare_energon(tmp_path / "prepared", ["shard-0.tar"], [])
+    assert source_kind(tmp_path / "prepared") == "energon" and source_kind(source) == "webdataset"
+    config = tmp_path / "prepared" / ".nv-meta" / "dataset.yaml"
+    config.write_text("sample_type:\n  __module__: megatron.energon\n  __class__: VQASample\n"
+                      "field_map:\n  image: png\n  context: json[question]\n  answers: json[answer]\n")
+    with pytest.raises(MLLMRecordError, match=f"{config}: the dataset is typed as VQASample; only crude datasets"):
+        source_kind(tmp_path / "prepared")
+    monkeypatch.setitem(sys.modules, "megatron.energon.epathlib", None)  # as if megatron-energon were not installed
+    with pytest.raises(MLLMRecordError, match=r"megatron-energon's index, which is not installed: pip install "
+                                              r"'vlm-packing\[energon\]'"):
         source_kind(tmp_path / "prepared")
 
 

@@ -37,10 +37,10 @@ import functools
 import glob
 import os
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -64,7 +64,6 @@ VIDEO_EXTENSIONS = frozenset({"mp4", "webm", "mkv", "avi", "mov"})
 NO_RECORD_MEMBER = "no_record_member"
 TRUNCATED_MEMBER = "truncated_member"
 _PATTERN_CHARS = set("*?[{")
-ENERGON_META = ".nv-meta"  # the folder `energon prepare` writes its splits and index into
 _INDEX_SCHEMA = pa.schema([("origin", pa.string()), ("shard", pa.int32()), ("json_offset", pa.int64()),
                            ("json_size", pa.int64()), ("media_names", pa.list_(pa.string())),
                            ("media_offsets", pa.list_(pa.int64())), ("media_sizes", pa.list_(pa.int64())),
@@ -88,10 +87,6 @@ def shard_files(path: str | os.PathLike) -> tuple[str, list[str]] | None:
         if not files:
             raise MLLMRecordError(f"{text}: data source not found (the pattern matches no file)", "invalid_source")
     elif os.path.isdir(text):
-        if os.path.isdir(os.path.join(text, ENERGON_META)):
-            raise MLLMRecordError(f"{text}: an Energon-prepared dataset ({ENERGON_META}): its split and index are not "
-                                  "read here, so its folder would train every shard, held-out ones included; name the "
-                                  "training shards by pattern instead (shard-{0000..0099}.tar)", "invalid_source")
         files = sorted(str(f) for f in Path(text).iterdir() if f.is_file() and f.suffix.lower() in SHARD_SUFFIXES)
         if not files:
             return None
@@ -114,8 +109,21 @@ def shard_files(path: str | os.PathLike) -> tuple[str, list[str]] | None:
 # --- the tar index ---------------------------------------------------------------------------------------------
 
 
-def shard_index(shard: str, number: int, cache: Path, identity: str) -> Path:
-    """The cached index of one tar shard (built under a file lock, published by rename, as converted JSON is)."""
+class PreparedIndex(Protocol):
+    """An index of a set of tar shards written by the tool that prepared them (``energon.py``), read instead of a
+    scan of each shard's headers: ``key(number)`` is what shard ``number``'s rows depend on besides the shard's own
+    bytes (the prepared index's identity, the split's excludes), and ``columns(shard, number)`` are its rows
+    (:func:`key_columns`)."""
+
+    def key(self, number: int) -> Any: ...
+
+    def columns(self, shard: str, number: int) -> dict[str, list]: ...
+
+
+def shard_index(shard: str, number: int, cache: Path, identity: str,
+                columns: Callable[[str, int], dict[str, list]] | None = None) -> Path:
+    """The cached index of one tar shard (built under a file lock, published by rename, as converted JSON is), its
+    rows ``columns(shard, number)``: by default from the shard's own headers."""
     from .store import digest
 
     cache.mkdir(parents=True, exist_ok=True)
@@ -123,17 +131,50 @@ def shard_index(shard: str, number: int, cache: Path, identity: str) -> Path:
     with FileLock(str(target) + ".lock"):
         if not target.exists():
             partial = target.with_suffix(".partial")
-            columns = _index_columns(shard, number)
+            rows = (columns or _index_columns)(shard, number)
             with pa.OSFile(str(partial), "wb") as sink, pa.ipc.new_stream(sink, _INDEX_SCHEMA) as writer:
-                writer.write_batch(pa.record_batch([pa.array(columns[name], kind) for name, kind in
+                writer.write_batch(pa.record_batch([pa.array(rows[name], kind) for name, kind in
                                                     zip(_INDEX_SCHEMA.names, _INDEX_SCHEMA.types)],
                                                    schema=_INDEX_SCHEMA))
             os.replace(partial, target)
     return target
 
 
+def add_member(keys: dict[str, dict[str, Any]], shard: str, key: str, name: str, extension: str, offset: int,
+               size: int, shard_size: int) -> None:
+    """Member ``name`` (of ``key``, extension ``extension``, ``size`` bytes of data at ``offset``) entered in
+    ``keys``, the keys of a shard of ``shard_size`` bytes being indexed: its record, a medium, or why it is refused
+    (cut short by the end of the shard); members of other kinds are left out."""
+    entry = keys.setdefault(key, {"json": None, "media": [], "refused": None})
+    if offset + size > shard_size:
+        entry["refused"] = (f"{shard}#{key}: member {name} is cut short ({shard_size - offset} of {size} bytes in the "
+                            "shard)", TRUNCATED_MEMBER)
+    elif extension.lower() == "json":
+        entry["json"] = (offset, size)
+    elif extension.rsplit(".", 1)[-1].lower() in IMAGE_EXTENSIONS | VIDEO_EXTENSIONS:
+        entry["media"].append((name, offset, size))
+
+
+def key_columns(shard: str, number: int, keys: dict[str, dict[str, Any]]) -> dict[str, list]:
+    """The index rows of shard ``number`` from its keys (:func:`add_member`), in key order: where each key's record
+    and media lie, or why it is refused (a key without a ``.json`` member has no record)."""
+    columns: dict[str, list] = {name: [] for name in _INDEX_SCHEMA.names}
+    for key, entry in keys.items():
+        refused = entry["refused"]
+        if refused is None and entry["json"] is None:
+            refused = (f"{shard}#{key}: the key has no .json member (its record)", NO_RECORD_MEMBER)
+        offset, length = entry["json"] or (0, 0)
+        for name, value in (("origin", f"{shard}#{key}"), ("shard", number), ("json_offset", offset),
+                            ("json_size", length), ("media_names", [m[0] for m in entry["media"]]),
+                            ("media_offsets", [m[1] for m in entry["media"]]),
+                            ("media_sizes", [m[2] for m in entry["media"]]),
+                            ("refused", refused and refused[0]), ("refused_reason", refused and refused[1])):
+            columns[name].append(value)
+    return columns
+
+
 def _index_columns(shard: str, number: int) -> dict[str, list]:
-    """One row per key of ``shard``, in member order: where its record and media lie, or why it is refused."""
+    """One row per key of ``shard``, in member order, from the shard's headers."""
     from webdataset.tariterators import base_plus_ext
 
     size = os.path.getsize(shard)
@@ -148,31 +189,11 @@ def _index_columns(shard: str, number: int) -> dict[str, list]:
         try:
             for info in tar:
                 base, extension = base_plus_ext(info.name)
-                if not info.isfile() or base is None:
-                    continue
-                entry = keys.setdefault(base, {"json": None, "media": [], "refused": None})
-                if info.offset_data + info.size > size:
-                    entry["refused"] = (f"{shard}#{base}: member {info.name} is cut short ({size - info.offset_data} "
-                                        f"of {info.size} bytes in the shard)", TRUNCATED_MEMBER)
-                elif extension.lower() == "json":
-                    entry["json"] = (info.offset_data, info.size)
-                elif extension.rsplit(".", 1)[-1].lower() in IMAGE_EXTENSIONS | VIDEO_EXTENSIONS:
-                    entry["media"].append((info.name, info.offset_data, info.size))
+                if info.isfile() and base is not None:
+                    add_member(keys, shard, base, info.name, extension, info.offset_data, info.size, size)
         except tarfile.TarError:
             pass  # the shard's tail is lost: the keys before it stand, the one cut short was marked above
-    columns: dict[str, list] = {name: [] for name in _INDEX_SCHEMA.names}
-    for key, entry in keys.items():
-        refused = entry["refused"]
-        if refused is None and entry["json"] is None:
-            refused = (f"{shard}#{key}: the key has no .json member (its record)", NO_RECORD_MEMBER)
-        offset, length = entry["json"] or (0, 0)
-        for name, value in (("origin", f"{shard}#{key}"), ("shard", number), ("json_offset", offset),
-                            ("json_size", length), ("media_names", [m[0] for m in entry["media"]]),
-                            ("media_offsets", [m[1] for m in entry["media"]]),
-                            ("media_sizes", [m[2] for m in entry["media"]]),
-                            ("refused", refused and refused[0]), ("refused_reason", refused and refused[1])):
-            columns[name].append(value)
-    return columns
+    return key_columns(shard, number, keys)
 
 
 class _KeyMembers(MediaMembers):
@@ -268,9 +289,11 @@ class TarShardRows:
 
 
 def open_tar_shards(files: list[str], cache: Path, image_root: str, source_dir: str, media_roots: tuple[str, ...],
-                    name: str, max_record_bytes: int) -> tuple[Any, TarShardRows, list]:
+                    name: str, max_record_bytes: int,
+                    prepared: PreparedIndex | None = None) -> tuple[Any, TarShardRows, list]:
     """The index table of a WebDataset source (its shards' indexes, memory-mapped and concatenated into one
-    ``datasets.Dataset``), its rows, and per shard a ``store.Part`` (the measure pass's units)."""
+    ``datasets.Dataset``), its rows, and per shard a ``store.Part`` (the measure pass's units). ``prepared``: the
+    index the shards were prepared with, read instead of their headers (and part of each shard's identity)."""
     import datasets
     from datasets.table import MemoryMappedTable, concat_tables
 
@@ -281,7 +304,9 @@ def open_tar_shards(files: list[str], cache: Path, image_root: str, source_dir: 
     tables, parts = [], []
     for number, shard in enumerate(shards):
         identity = digest(file_identity(shard))
-        index = str(shard_index(shard, number, cache, identity))
+        if prepared is not None:
+            identity = digest([identity, prepared.key(number)])
+        index = str(shard_index(shard, number, cache, identity, prepared and prepared.columns))
         tables.append(MemoryMappedTable.from_file(index))
         # one Dataset per shard costs ~10 ms (datasets' fingerprinting): made only for a shard to be measured
         parts.append(Part(rows, identity, len(tables[-1]), functools.partial(datasets.Dataset.from_file, index)))

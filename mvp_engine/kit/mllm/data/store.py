@@ -14,8 +14,9 @@ Sources (``data.sources``, one file or folder each):
 * a folder written by ``datasets``' ``save_to_disk``: loaded with ``Dataset.load_from_disk`` (memory-mapped as it
   is); origin ``folder#row``. A ``DatasetDict`` folder gives its ``train`` split, or its only split.
 
-* a shard source: WebDataset tar shards by pattern or folder, or a folder / pattern of parquet or Arrow files
-  (``shards.py``): one source whose shards are indexed, measured and cached one by one (``RecordStore.parts``).
+* a shard source: WebDataset tar shards by pattern or folder, an Energon-prepared folder (its ``train`` split part,
+  ``energon.py``), or a folder / pattern of parquet or Arrow files (``shards.py``): one source whose shards are
+  indexed, measured and cached one by one (``RecordStore.parts``).
 
 :func:`source_kind` says which of these a path is (or why it is none), before anything is read: the run's config
 check asks it, so a path training could not open stops the run at once, as one line naming it.
@@ -43,6 +44,7 @@ import numpy as np
 import pyarrow as pa
 from filelock import FileLock
 
+from .energon import energon_index, is_energon_folder
 from .sample import MLLMRecord
 from .shards import is_pattern, open_table_shards, open_tar_shards, shard_files
 from .sources import (
@@ -59,7 +61,7 @@ STORE_FORMAT = 2  # bump when the Arrow layout of converted JSON sources changes
 _ROWS_PER_BATCH = 50_000
 _SCHEMA = pa.schema([("origin", pa.string()), ("raw", pa.binary()), ("refused", pa.string())])
 EDGE_BYTES = 64 * 1024  # bytes of each end of a file hashed into its identity
-SHARD_KINDS = ("webdataset", "parquet_shards", "arrow_shards")
+SHARD_KINDS = ("webdataset", "energon", "parquet_shards", "arrow_shards")
 
 
 def file_identity(path: str | os.PathLike) -> list:
@@ -224,11 +226,15 @@ class RecordStore:
 def source_kind(path: str | os.PathLike) -> str:
     """What ``path`` is as a source: ``"json"``, ``"jsonl"``, ``"parquet"``, ``"saved"`` (a folder written by
     ``datasets``' ``save_to_disk``), or a shard source (``shards.py``): ``"webdataset"`` (tar shards),
-    ``"parquet_shards"`` or ``"arrow_shards"``; otherwise an :class:`MLLMRecordError` (reason ``invalid_source``)
-    naming the path and why not. The one place that decides what a source is: the run's config check asks it before
-    anything is read, and :meth:`RecordStore.open` opens a source by it."""
+    ``"energon"`` (an Energon-prepared folder, ``energon.py``), ``"parquet_shards"`` or ``"arrow_shards"``;
+    otherwise an :class:`MLLMRecordError` (reason ``invalid_source``) naming the path and why not. The one place
+    that decides what a source is: the run's config check asks it before anything is read, and
+    :meth:`RecordStore.open` opens a source by it."""
     path = Path(path)
-    if path.is_dir():
+    if is_energon_folder(path):
+        energon_index(path)  # reads the split part: a folder energon cannot read stops here
+        kind = "energon"
+    elif path.is_dir():
         try:
             _saved_folder(path)
         except MLLMRecordError as err:
@@ -304,12 +310,13 @@ def _open_shards(kind: str, path: Path, cache: Path, image_root: str | None, max
                  media_roots: tuple[str, ...]) -> tuple:
     """A shard source: its concatenated table, its rows, its identity (its shards' together) and its shards as the
     measure pass's units."""
-    _, files = shard_files(path)
+    prepared = energon_index(path) if kind == "energon" else None
+    files = list(prepared.shards) if prepared is not None else shard_files(path)[1]
     folder = os.path.commonpath([os.path.dirname(os.path.abspath(f)) for f in files])
     root = os.path.abspath(image_root) if image_root is not None else folder
-    if kind == "webdataset":
+    if kind in ("webdataset", "energon"):
         table, rows, parts = open_tar_shards(files, cache / "shards", root, folder, media_roots, str(path),
-                                             max_record_bytes)
+                                             max_record_bytes, prepared)
     else:
         table, rows, parts = open_table_shards(kind, files, cache, root, folder, media_roots, str(path))
     return table, rows, digest([part.identity for part in parts]), parts
