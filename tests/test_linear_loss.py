@@ -114,6 +114,33 @@ def test_a_lora_head_or_a_saved_copy_is_the_module_projected(adapter):
     assert_same(both_ways(head, hidden, "token", params=trainable))
 
 
+class MatmulsInBackward(TorchDispatchMode):
+    """How many matrix products run while inside."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_plain_linear_head_takes_its_gradients_in_the_forward():
+    """A plain linear head (its weight and bias trained, or frozen) is fused: the backward only scales what the
+    forward kept, no matrix product; a LoRA-wrapped head is called as a module and recomputes its logits."""
+    head = linear_head()
+    lora = get_peft_model(TinyLM(), LoraConfig(r=4, target_modules=["lm_head"])).base_model.model.lm_head
+    frozen = linear_head().requires_grad_(False)
+    for module, products in ((head, 0), (frozen, 0), (lora, 1)):
+        hidden = hidden_states()
+        part = chunked_token_loss(hidden, module, LABELS, SEG, "sample", chunk_tokens=CHUNK)
+        with MatmulsInBackward() as counted:
+            part.weighted_sum.backward()
+        assert (counted.count > 0) == bool(products), (module, counted.count)
+    assert_same(both_ways(frozen, hidden_states(), "square", params=[]))  # the rows' gradient alone
+
+
 def test_soft_capping_is_reproduced():
     assert_same(both_ways(linear_head(), hidden_states() * 4, "sample", softcap=2.0))
 
@@ -234,7 +261,8 @@ class SavedBytes:
 
 def test_no_positions_by_vocab_tensor_is_made_or_kept():
     """At a 32k vocabulary and 1024 positions: the full loss keeps fp32 logits and log-softmax (4 bytes x L x V
-    each); the chunked loss keeps kilobytes, and no op makes a tensor larger than one chunk's fp32 logits."""
+    each); the chunked loss keeps the rows' gradient and the head weight's (fp32, V x H: the head's own size, which
+    its gradient takes anyway), and no op makes a tensor larger than one chunk's fp32 logits."""
     vocab, width, hidden_size, chunk = 32768, 1024, 8, 64
     torch.manual_seed(0)
     head = torch.nn.Linear(hidden_size, vocab, bias=False)
@@ -257,8 +285,10 @@ def test_no_positions_by_vocab_tensor_is_made_or_kept():
     chunked_saved, chunked_saved_largest, chunked_largest = measured["chunked"]
     positions_by_vocab = width * vocab * 4
     assert full_saved >= positions_by_vocab and full_largest >= positions_by_vocab
-    assert chunked_saved < width * hidden_size * 4 * 4, measured  # the gather's indices, a few rows of floats
-    assert chunked_saved_largest < chunk * vocab
+    head_gradient = vocab * hidden_size * 4
+    # the head's gradient, the gather's indices and a few rows of floats
+    assert chunked_saved < head_gradient + width * hidden_size * 4 * 4, measured
+    assert chunked_saved_largest <= head_gradient
     assert chunked_largest <= chunk * vocab * 4, measured
 
 

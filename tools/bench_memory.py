@@ -264,13 +264,18 @@ def measure_activations(recipe: Recipe, model_cfg: dict, attention: str, batch: 
 
 
 def peak_added_bytes(step) -> int:
-    """The most bytes allocated at once while ``step()`` runs, above what was allocated before it: the CPU
-    allocations the profiler records per op, added up in the order the ops ran."""
-    with torch.autograd.profiler.profile(profile_memory=True, use_kineto=False) as profile:
+    """The most bytes allocated at once while ``step()`` runs, above what was allocated before it: every CPU
+    allocation and free the profiler records (its raw ``[memory]`` events, each with its own time), added up in
+    time order. Why not the ops' memory: an op's self memory nets the frees made in its span, and a free made by
+    Python code inside a custom autograd function (a chunk's temporaries dropped) lands on that function's event,
+    which starts before the allocations it nets, so per-op sums under-count such a peak."""
+    with torch.autograd.profiler.profile(profile_memory=True, use_kineto=True) as profile:
         step()
+    events = sorted((event.start_ns(), event.nbytes()) for event in profile.kineto_results.events()
+                    if event.name() == "[memory]" and event.device_type() == torch.autograd.DeviceType.CPU)
     live = peak = 0
-    for event in sorted(profile.function_events, key=lambda event: event.time_range.start):
-        live += event.self_cpu_memory_usage
+    for _, nbytes in events:
+        live += nbytes
         peak = max(peak, live)
     return peak
 

@@ -10,9 +10,19 @@ How: :class:`HeadInputs`, entered around the model's forward, keeps what the mod
 since it is the module the model itself calls) and lets the model project only each row's first position. Of the
 kept hidden states, only the positions whose shifted target is supervised are gathered (labels shifted on the whole
 rows, then this context-parallel rank's ``span``, as :mod:`.loss` does); they are projected ``chunk_tokens`` at a
-time, each chunk's log-sum-exp and target logit taken in fp32 under ``torch.utils.checkpoint``: the forward keeps
-only the chunk's log-probabilities and its backward recomputes the chunk's logits, so no ``positions x V`` tensor
-lives across chunks and the loss's peak is about 8 bytes x ``chunk_tokens`` x V.
+time, each chunk's log-sum-exp and target logit taken in fp32, so no ``positions x V`` tensor lives across chunks
+and the loss's peak is about 8 bytes x ``chunk_tokens`` x V. Two ways, by what is known in the forward:
+
+- The loss of a plain linear head (``torch.nn.Linear``, a tied embedding's included: :func:`plain_linear`) is
+  fused (:class:`_FusedLinearCrossEntropy`, as Liger's and torchtune's fused linear cross-entropy): the token /
+  sample / square weights are known before the loss, so each chunk's gradient wrt its rows and the head's weight is
+  formed in the forward and the backward only scales them by ``grad_output``. Three matmuls per chunk, as the full
+  logits take.
+- Every other head (a LoRA-wrapped head, a ``modules_to_save`` wrapper, a quantized or FSDP2-wrapped linear) and
+  the per-token log-probabilities (:func:`chunked_token_logprobs`: a preference loss weighs them by gradients it
+  forms after they are known, so nothing can be taken in their forward) go through ``torch.utils.checkpoint`` per
+  chunk: the head is called as a module (its adapters, its own gathering of a sharded weight), the forward keeps
+  each chunk's log-probabilities and its backward recomputes the chunk's logits (a fourth matmul).
 
 The first-position logits the model still computes prove, on every forward, that the head reproduced here is the
 model's (its projection and ``final_logit_softcapping`` where the text config sets one): a model whose head does
@@ -22,6 +32,8 @@ more is refused with one line rather than trained on another objective.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from mvp_engine.kit.mllm.data import IGNORE_INDEX
@@ -55,6 +67,72 @@ class _TargetLogProb(torch.autograd.Function):
         gradient = logits.to(torch.float32, copy=True).sub_(lse.unsqueeze(1)).exp_()
         gradient.scatter_add_(1, targets.unsqueeze(1), gradient.new_full((len(targets), 1), -1.0))
         return gradient.mul_(-grad.unsqueeze(1)).to(logits.dtype), None
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """``sum(weights * -log p(target))`` of ``rows`` ``[N, H]`` through a plain linear head (``weight`` ``[V, H]``,
+    ``bias``), with every gradient taken in the forward, a chunk at a time: per chunk the logits (soft-capped where
+    the model caps them), their fp32 log-sum-exp and target logit, ``d(logits) = weights * (softmax - onehot)``
+    formed in place in one fp32 buffer, the chunk's gradient wrt its rows and its sum into the head's gradient. The
+    weights are known before the loss (token / sample / square), so nothing of the chunk is needed later: the
+    backward only scales the kept gradients by the scalar ``grad_output``. Three matmuls per chunk, as the full
+    logits' forward and backward do (the checkpointed path recomputes the logits: four).
+
+    Kept for backward: the rows' gradient (``N x H``) and the head's (``V x H`` fp32, the head's own size), never
+    anything ``N x V``. The backward scales them in place, so it runs once (a second one is refused)."""
+
+    @staticmethod
+    def forward(ctx, rows, weight, bias, targets, weights, chunk_tokens: int, softcap):
+        want_rows, want_weight, want_bias = ctx.needs_input_grad[:3]
+        grad_rows = torch.empty_like(rows) if want_rows else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if want_weight else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if want_bias else None
+        bias_dtype = None if bias is None else bias.dtype
+        total = rows.new_zeros((), dtype=torch.float32)
+        for start in range(0, len(targets), chunk_tokens):
+            part, wanted = rows[start:start + chunk_tokens], targets[start:start + chunk_tokens].unsqueeze(1)
+            scale = weights[start:start + chunk_tokens].unsqueeze(1)
+            logits, capped = F.linear(part, weight, bias), None
+            if softcap is not None:
+                capped = logits.div_(softcap).tanh_()
+                logits = capped * softcap
+            dtype, wide = logits.dtype, logits.float()  # the logits themselves where they are fp32
+            del logits  # each chunk's temporaries go before the next chunk's are made
+            target_logit = wide.gather(1, wanted)
+            peak = wide.amax(1, keepdim=True)
+            sums = wide.sub_(peak).exp_().sum(1, keepdim=True)
+            total += (scale * (peak + sums.log() - target_logit)).sum()
+            if want_rows or want_weight or want_bias:
+                gradient = wide.mul_(scale / sums).scatter_add_(1, wanted, -scale)  # weights * (softmax - onehot)
+                if capped is not None:  # d cap*tanh(z/cap) / dz = 1 - tanh^2
+                    gradient.mul_(capped.float().square_().neg_().add_(1))
+                del wide, capped
+                gradient = gradient.to(dtype)
+                if want_rows:
+                    grad_rows[start:start + chunk_tokens] = gradient @ weight
+                if want_weight:
+                    grad_weight += gradient.t() @ part
+                if want_bias:
+                    grad_bias += gradient.sum(0)
+                del gradient
+            else:
+                del wide, capped
+        ctx.save_for_backward(*(g for g in (grad_rows, grad_weight, grad_bias) if g is not None))
+        ctx.kept, ctx.dtypes, ctx.used = (want_rows, want_weight, want_bias), (weight.dtype, bias_dtype), False
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        if ctx.used:
+            raise RuntimeError("the fused linear cross-entropy's gradients were taken in its forward and scaled in "
+                               "its first backward: it cannot be backpropagated twice")
+        ctx.used = True
+        saved = iter(ctx.saved_tensors)
+        grads = [next(saved).mul_(grad_output) if kept else None for kept in ctx.kept]
+        for index, dtype in ((1, ctx.dtypes[0]), (2, ctx.dtypes[1])):
+            if grads[index] is not None:
+                grads[index] = grads[index].to(dtype)
+        return (*grads, None, None, None, None)
 
 
 def project(head: torch.nn.Module, hidden: torch.Tensor, softcap: float | None) -> torch.Tensor:
@@ -98,6 +176,17 @@ def supervised_rows(hidden: torch.Tensor, labels: torch.Tensor, span: tuple[int,
     return hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows), targets.reshape(-1)[flat], where, flat
 
 
+def plain_linear(head: torch.nn.Module) -> bool:
+    """Whether ``head`` computes ``F.linear(x, weight, bias)`` and nothing else: a ``torch.nn.Linear`` itself (a tied
+    embedding's head is one), no hook around it, its weight a whole tensor (the root's parameters under FSDP2 stay
+    unsharded from the forward to the backward). Only such a head takes the fused loss, whose gradients are formed
+    from its weight directly; a LoRA-wrapped head, a ``modules_to_save`` wrapper, a quantized or FSDP2-wrapped
+    linear (subclasses) compute more or gather their weight in their own call, so they are called as modules on the
+    checkpointed path."""
+    return (type(head) is torch.nn.Linear and not isinstance(head.weight, DTensor)
+            and not (head._forward_hooks or head._forward_pre_hooks))
+
+
 def chunked_token_loss(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor,
                        segment_ids: torch.Tensor, reduction: str, span: tuple[int, int] | None = None,
                        chunk_tokens: int = CHUNK_TOKENS, softcap: float | None = None) -> WeightedTokenLoss:
@@ -105,8 +194,13 @@ def chunked_token_loss(hidden: torch.Tensor, head: torch.nn.Module, labels: torc
     ``span`` of the rows) instead of the logits: the same weights, the same fp32 cross-entropy."""
     weights = token_weights(labels, segment_ids, reduction, span)
     rows, targets, _, flat = supervised_rows(hidden, labels, span)
-    logprobs = target_logprobs(rows, targets, head, chunk_tokens, softcap)
-    return WeightedTokenLoss(-(logprobs * weights.reshape(-1)[flat].to(logprobs.dtype)).sum(), weights.sum())
+    row_weights = weights.reshape(-1)[flat].to(torch.float32)
+    if torch.is_grad_enabled() and plain_linear(head):
+        weighted = _FusedLinearCrossEntropy.apply(rows, head.weight, head.bias, targets, row_weights, chunk_tokens,
+                                                  softcap)
+    else:
+        weighted = -(target_logprobs(rows, targets, head, chunk_tokens, softcap) * row_weights).sum()
+    return WeightedTokenLoss(weighted, weights.sum())
 
 
 def chunked_token_logprobs(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor,
