@@ -61,7 +61,7 @@ STORE_FORMAT = 2  # bump when the Arrow layout of converted JSON sources changes
 _ROWS_PER_BATCH = 50_000
 _SCHEMA = pa.schema([("origin", pa.string()), ("raw", pa.binary()), ("refused", pa.string())])
 EDGE_BYTES = 64 * 1024  # bytes of each end of a file hashed into its identity
-SHARD_KINDS = ("webdataset", "energon", "parquet_shards", "arrow_shards")
+SHARD_KINDS = ("webdataset", "parquet_shards", "arrow_shards")  # shard lists (an Energon folder has its own index)
 
 
 def file_identity(path: str | os.PathLike) -> list:
@@ -290,7 +290,7 @@ def _open_source(path: Path, cache: Path, image_root: str | None, max_record_byt
     import datasets
 
     kind = source_kind(path)
-    if kind in SHARD_KINDS:
+    if kind in SHARD_KINDS or kind == "energon":
         return _open_shards(kind, path, cache, image_root, max_record_bytes, media_roots)
     folder = os.path.abspath(path.parent)
     root = os.path.abspath(image_root) if image_root is not None else folder
