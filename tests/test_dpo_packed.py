@@ -1,6 +1,7 @@
 """A packed DPO step computes exactly what pair-by-pair unpacked DPO computes: loss, rewards and every gradient
-(<= 1e-5 relative, fp32 on CPU), with the prefix shared or duplicated, for every loss type, the reference being the
-policy with its LoRA adapters off (random adapters, so policy and reference differ) or a frozen copy.
+(<= 1e-5 relative, fp32 on CPU), with the prefix shared or duplicated, on eager, sdpa and sdpa_varlen, for every
+loss type, the reference being the policy with its LoRA adapters off (random adapters, so policy and reference
+differ) or a frozen copy.
 
 The packed side is the engine's (``preference.PreferenceObjective``: the pairs packed by the DataKit, the recipe's
 ``prepare_packed``, the chunked log-prob path); the unpacked side runs each conversation alone through the recipe's
@@ -21,8 +22,11 @@ from mvp_engine.engine.testkit.equivalence import collate_rows, with_random_adap
 from mvp_engine.engine.testkit.preference import write_pairs
 from mvp_engine.engine.testkit.structure import compose_config, load_recipe
 from mvp_engine.kit.mllm.data import IGNORE_INDEX
-from mvp_engine.kit.mllm.data.pairs import PairEncoder
+from mvp_engine.kit.mllm.data.pairs import BRANCH_FIELD, PairEncoder
 from mvp_engine.kit.mllm.data.preference_sources import read_preference_records
+from mvp_engine.packing import packed_attention_kwargs
+from mvp_engine.packing.branches import same_branch_or_prefix
+from mvp_engine.packing.mask_forms import CAUSAL
 
 TOL = 1e-5
 LORA = LoraSpec(r=4)
@@ -124,9 +128,11 @@ def check_dpo_step(name, backend, spec, records):
 
 
 @pytest.mark.parametrize("name,backend,shared", [(name, backend, True) for name in ("llava", "qwen2_vl")
-                                                  for backend in ("eager", "sdpa")]
+                                                  for backend in ("eager", "sdpa", "sdpa_varlen")]
                          + [("llava", "sdpa", False), ("qwen2_vl", "sdpa", False)])
 def test_packed_dpo_equals_pair_by_pair(records, name, backend, shared):
+    """sdpa_varlen shares the prefix without a mask: each continuation's attention over the prefix and over itself,
+    merged by log-sum-exp (``packing.prefix_attention``)."""
     spec = PreferenceSpec(beta=0.5, label_smoothing=0.1, sft_weight=0.3, shared_prefix=shared)
     check_dpo_step(name, backend, spec, records)
 
@@ -139,23 +145,31 @@ def test_loss_types_and_references(records, loss_type, reference):
 def test_bad_spec_is_one_line():
     with pytest.raises(ValueError, match=r"^dpo\.loss_type='kto' is invalid"):
         PreferenceSpec(loss_type="kto")
-    with pytest.raises(ValueError, match=r"^dpo\.reference=precomputed is not implemented"):
-        PreferenceSpec(reference="precomputed")
+    with pytest.raises(ValueError, match=r"^dpo\.reference='frozen' is invalid"):
+        PreferenceSpec(reference="frozen")
 
 
-@pytest.mark.parametrize("name,backend", [("llava", "sdpa_varlen"), ("qwen2_vl", "sdpa_varlen"), ("qwen3_5", "sdpa")])
+@pytest.mark.parametrize("name,backend", [("llava", "sdpa_varlen"), ("qwen3_5", "sdpa")])
 def test_duplicated_prefix_on_what_cannot_share_it(records, name, backend):
-    """Each conversation a segment of its own: varlen kernels and linear-attention layers (Qwen3.5) need nothing
-    more than their packed boundaries; the shared layout is refused there in one line."""
+    """Each conversation a segment of its own: varlen kernels (flash's layout, computed here through sdpa_varlen)
+    and linear-attention layers (Qwen3.5) need nothing more than their packed boundaries. The shared layout is
+    refused in one line where it cannot be kept apart: flash's kwargs, linear-attention layers."""
     model, encoder, pad = check_dpo_step(name, backend, PreferenceSpec(beta=0.5, shared_prefix=False), records)
     batch = collate_rows([[PairEncoder(encoder).encode(records[0])]], pad)
-    with pytest.raises(ValueError, match="cannot mask a preference pair's branches|not supported on models with"):
-        load_recipe(name).prepare_packed(batch, model, backend)
+    if name == "qwen3_5":
+        with pytest.raises(ValueError, match="not supported on models with linear-attention layers"):
+            load_recipe(name).prepare_packed(batch, model, backend)
+    branches = same_branch_or_prefix(batch[BRANCH_FIELD])
+    with pytest.raises(ValueError, match="^flash_attention_2 cannot mask a preference pair's branches"):
+        packed_attention_kwargs(batch, "flash_attention_2", torch.float32, predicate=CAUSAL & branches,
+                                branches=batch[BRANCH_FIELD])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,shared", [("qwen3_vl", True), ("gemma3", False)])
-def test_more_families(records, name, shared):
+@pytest.mark.parametrize("name,backend,shared", [(name, backend, shared) for name, shared in
+                                                  (("qwen3_vl", True), ("gemma3", False))
+                                                  for backend in ("sdpa", "sdpa_varlen")])
+def test_more_families(records, name, backend, shared):
     """Qwen3-VL's M-RoPE (interleaved sections, timestamps) with the prefix shared; Gemma 3 (sliding windows,
     bidirectional image blocks) with it duplicated, the layout its run takes."""
-    check_dpo_step(name, "sdpa", PreferenceSpec(beta=0.5, shared_prefix=shared), records)
+    check_dpo_step(name, backend, PreferenceSpec(beta=0.5, shared_prefix=shared), records)

@@ -1,5 +1,6 @@
 """sdpa_varlen: per-span causal sdpa equals the dense block-causal mask, rejects what it cannot honour, and hands
-each grouped-query call to a kernel that takes it (K/V expanded where CUDA's flash kernel would refuse it)."""
+each grouped-query call to a kernel that takes it (K/V expanded where CUDA's flash kernel would refuse it); a
+preference pair's segment, its continuations merged with its shared prefix, equals the dense pair mask."""
 
 import types
 
@@ -17,6 +18,8 @@ from mvp_engine.packing import (
     span_masks,
     varlen_sdpa,
 )
+from mvp_engine.packing.branches import carry_pair_parts, pair_parts, same_branch_or_prefix
+from mvp_engine.packing.prefix_attention import prefix_merged_attention, shared_prefix_obstacle
 from mvp_engine.packing.varlen_sdpa import gqa_arguments, sdpa_varlen_attention
 
 CAUSAL = types.SimpleNamespace(is_causal=True)
@@ -124,3 +127,50 @@ def test_sdpa_varlen_expands_kv_for_masked_spans_on_cuda(monkeypatch):
     expected = real_sdpa(q.float(), k.float().repeat_interleave(4, 1), v.float().repeat_interleave(4, 1),
                          attn_mask=dense_mask(segment_ids, predicate)).transpose(1, 2)
     assert (out.float() - expected).abs().max().item() <= 2e-2
+
+
+# preference pairs: a segment holding a prefix (branch 0), then a chosen (1) and a rejected (2) continuation
+PAIR_SEGMENTS = torch.tensor([[0] * 9 + [1] * 2 + [-1], [0] * 3 + [1] * 9])
+PAIR_BRANCHES = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 2, 2, 0, 0, 0], [0, 0, 0, 0, 0, 0, 1, 1, 2, 2, 2, 2]])
+
+
+def pair_kwargs(branches=PAIR_BRANCHES):
+    kwargs = flash_varlen_kwargs(PAIR_SEGMENTS)
+    carry_pair_parts(kwargs["cu_seq_lens_q"], branches)
+    return kwargs
+
+
+def test_pair_segments_merge_prefix_and_own_attention_exactly():
+    """Each continuation's attention merged from its prefix and own parts (log-sum-exp) equals one sdpa call under
+    the dense pair mask (a continuation sees the prefix and itself, never the other), output and every gradient, in
+    float64, grouped-query heads included; the plain segments and the padding run beside the pairs unchanged."""
+    assert pair_parts(pair_kwargs()["cu_seq_lens_q"]) == ((4, 3, 2), None, None, None, (3, 2, 4))
+    q, k, v = (t.double().requires_grad_() for t in qkv(seed=3))
+    out, _ = sdpa_varlen_attention(CAUSAL, q, k, v, None, **pair_kwargs())
+    weights = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
+    mask = dense_mask(PAIR_SEGMENTS, causal() & same_branch_or_prefix(PAIR_BRANCHES))
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).transpose(1, 2)
+    assert (out - expected).abs().max().item() <= 1e-12
+    for got, want in zip(grads, torch.autograd.grad((expected * weights).sum(), (q, k, v))):
+        assert (got - want).abs().max().item() <= 1e-12
+    leaky, _ = sdpa_varlen_attention(CAUSAL, q, k, v, None, **flash_varlen_kwargs(PAIR_SEGMENTS))
+    assert (leaky - expected).abs().max().item() > 1e-3  # plain causal segments would let a rejected see the chosen
+
+
+def test_pair_segments_refused_where_the_merge_does_not_hold():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="for causal attention without dropout or sliding window only"):
+        sdpa_varlen_attention(CAUSAL, q, k, v, None, dropout=0.1, **pair_kwargs())
+    with pytest.raises(ValueError, match="for causal attention without dropout or sliding window only"):
+        sdpa_varlen_attention(types.SimpleNamespace(is_causal=False), q, k, v, None, **pair_kwargs())
+    with pytest.raises(ValueError, match="sdpa_varlen cannot soft-cap attention scores"):
+        sdpa_varlen_attention(CAUSAL, q, k, v, None, softcap=30.0, **pair_kwargs())
+    with pytest.raises(ValueError, match="merges a shared prefix's attention on the CPU only, not on meta"):
+        prefix_merged_attention(*(t[:1].to("meta") for t in (q, k, v, k, v)))
+    disordered = PAIR_BRANCHES.clone()
+    disordered[0, 4], disordered[0, 7] = 2, 1
+    with pytest.raises(ValueError, match=r"^row 0 column 5: a pair segment must be its prefix, then its chosen"):
+        pair_kwargs(disordered)
+    assert shared_prefix_obstacle("sdpa_varlen", "cpu") is None and shared_prefix_obstacle("sdpa", "cuda") is None
+    assert shared_prefix_obstacle("flash_attention_2", "cuda") == "flash_attention_2 takes one causal span per segment"

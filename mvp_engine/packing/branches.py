@@ -6,6 +6,10 @@ segment a token sees the prefix and its own branch, causally (:func:`same_branch
 segment and causal predicates every mask form already applies); positions of the rejected continuation restart
 where the chosen one began (:func:`branch_position_offsets`). Outside pairs the branch ids are all 0 and the
 predicate is always true, so ordinary samples packed beside pairs are masked exactly as before.
+
+``sdpa_varlen`` takes no mask for a pair: :func:`carry_pair_parts` tells its ``cu_seq_lens`` each pair segment's
+part lengths (prefix, chosen, rejected), and the kernel runs the prefix as a causal span and merges each
+continuation's attention over the prefix and over itself (``prefix_attention``).
 """
 
 from __future__ import annotations
@@ -18,8 +22,11 @@ import torch
 
 from mvp_engine.kit.mllm.data.pairs import BRANCH_FIELD, CHOSEN, PREFIX, REJECTED
 
+from .batch_metadata import host_bounds
 from .masks import Predicate
 from .segments import segment_run_ids
+
+_PAIR_PARTS = "_pair_parts"  # a cu_seq_lens tensor's pair layout per run, set by carry_pair_parts
 
 
 def batch_branches(batch: Mapping[str, Any]) -> torch.Tensor | None:
@@ -81,3 +88,39 @@ def branch_views(branches: torch.Tensor) -> list[torch.Tensor]:
         return [torch.arange(branches.numel(), device=branches.device)]
     prefix = branches == PREFIX
     return [(prefix | (branches == branch)).nonzero().view(-1) for branch in (CHOSEN, REJECTED)]
+
+
+def carry_pair_parts(cu_seq_lens: torch.Tensor, branches: torch.Tensor) -> torch.Tensor:
+    """``cu_seq_lens`` (the segment runs over the flattened (B, L) batch) told each run's pair layout, for
+    ``sdpa_varlen``: ``(prefix, chosen, rejected)`` token counts for a segment holding both continuations, None for
+    any other run (its attention is plain causal: an ordinary sample, padding, a duplicated-prefix conversation).
+    Read back once, here; a pair segment laid out otherwise than prefix, chosen, rejected is refused in one line."""
+    bounds = host_bounds(cu_seq_lens)
+    width = branches.shape[-1]
+    flat = branches.reshape(-1)
+    if flat.numel() != bounds[-1]:
+        raise ValueError(f"{BRANCH_FIELD} holds {flat.numel()} tokens, cu_seq_lens cover {bounds[-1]}")
+    sizes = torch.tensor([end - start for start, end in zip(bounds[:-1], bounds[1:])], device=flat.device)
+    run = torch.repeat_interleave(torch.arange(len(sizes), device=flat.device), sizes)
+    known = (flat >= PREFIX) & (flat <= REJECTED)
+    counts = torch.zeros(len(sizes), REJECTED + 1, dtype=torch.long, device=flat.device)
+    counts.index_put_((run, flat.clamp(PREFIX, REJECTED)), known.long(), accumulate=True)
+    backwards = ((flat[1:] < flat[:-1]) & (run[1:] == run[:-1])).nonzero().view(-1)
+    if not bool(known.all()):
+        raise ValueError(f"{BRANCH_FIELD} must be {PREFIX}, {CHOSEN} or {REJECTED}, got {flat[~known][0].item()}")
+    if backwards.numel():
+        row, column = divmod(int(backwards[0]) + 1, width)
+        raise ValueError(f"row {row} column {column}: a pair segment must be its prefix, then its chosen, then its "
+                         f"rejected continuation ({BRANCH_FIELD} goes back)")
+    parts = []
+    for start, (prefix, chosen, rejected) in zip(bounds, counts.tolist()):
+        if chosen and rejected and not prefix:
+            raise ValueError(f"row {start // width}: a pair segment without a prefix")
+        parts.append((prefix, chosen, rejected) if chosen and rejected else None)
+    setattr(cu_seq_lens, _PAIR_PARTS, tuple(parts))
+    return cu_seq_lens
+
+
+def pair_parts(cu_seq_lens: torch.Tensor | None) -> tuple[tuple[int, int, int] | None, ...] | None:
+    """What :func:`carry_pair_parts` told ``cu_seq_lens`` (None: no pair layout, every run plain causal)."""
+    return getattr(cu_seq_lens, _PAIR_PARTS, None)

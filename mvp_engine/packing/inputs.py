@@ -26,7 +26,7 @@ from mvp_engine.kit.mllm.data.media import IMAGES, MediaKind
 from .attention import attention_mask_for, check_packed_model_kwargs, ensure_no_batch_fields, layer_masks
 from .backends import ATTENTION_BACKENDS, SDPA_VARLEN, takes_varlen_kwargs
 from .batch_metadata import batch_metadata, packed_varlen_kwargs
-from .branches import batch_branches, branch_position_offsets, same_branch_or_prefix
+from .branches import batch_branches, branch_position_offsets, carry_pair_parts, same_branch_or_prefix
 from .layer_types import LAYER_TYPES, SLIDING, has_layer_types, layer_predicates
 from .linear_attention import BOUNDARIES, ensure_linear_attention_boundaries, has_linear_attention
 from .mask_forms import CAUSAL
@@ -109,17 +109,23 @@ def check_media_placement(batch: Mapping[str, Any], placeholder: torch.Tensor,
 
 def packed_attention_kwargs(batch: Mapping[str, Any], attn_implementation: str, dtype: torch.dtype,
                             boundaries: bool = False, predicates: Mapping[str, Predicate] | None = None,
-                            predicate: Predicate = CAUSAL) -> dict:
+                            predicate: Predicate = CAUSAL, branches: torch.Tensor | None = None) -> dict:
     """The backend's attention inputs for a packed batch, all derived from ``pack_segment_ids``. ``boundaries``:
     also the samples' ``cu_seq_lens_q`` next to an eager/sdpa/flex mask (a hybrid model's linear-attention layers
     read them while its full-attention layers read the mask; flash and sdpa_varlen carry them anyway).
     ``predicates``: one mask per layer type instead (``layer_types.layer_predicates``), as the prepared dict;
     sdpa_varlen gets it as ``SpanMasks`` next to its varlen kwargs, flash cannot take it. ``predicate``: the one
-    mask's predicate when it is more than causal (a preference pair's branches): eager, sdpa and flex only."""
+    mask's predicate when it is more than causal (a preference pair's branches): eager, sdpa and flex. ``branches``:
+    the pair branch ids behind that predicate, which sdpa_varlen takes instead of a mask, as each pair segment's
+    part lengths carried by its ``cu_seq_lens`` (``branches.carry_pair_parts``); flash cannot take them."""
     segment_ids = batch["pack_segment_ids"]
     if predicate is not CAUSAL and predicates is None and takes_varlen_kwargs(attn_implementation):
+        if attn_implementation == SDPA_VARLEN and branches is not None:
+            varlen = packed_varlen_kwargs(batch)
+            carry_pair_parts(varlen["cu_seq_lens_q"], branches)
+            return varlen
         raise ValueError(f"{attn_implementation} cannot mask a preference pair's branches (each continuation sees "
-                         f"the prefix, never the other): use sdpa, eager or flex_attention")
+                         f"the prefix, never the other): use {SDPA_VARLEN}, sdpa, eager or flex_attention")
     if predicates is not None:
         if takes_varlen_kwargs(attn_implementation) and attn_implementation != SDPA_VARLEN:
             raise ValueError(f"{attn_implementation} cannot take this model's per-layer masks (sliding window, "
@@ -186,7 +192,7 @@ def prepare_packed_inputs(
         "use_cache": False,
         **media,
         **packed_attention_kwargs(batch, attn_implementation, model.dtype, boundaries=has_linear_attention(model),
-                                  predicates=predicates, predicate=predicate),
+                                  predicates=predicates, predicate=predicate, branches=branches),
     }
     check_packed_model_kwargs(kwargs, attn_implementation, position_rows=position_rows)
     ensure_linear_attention_boundaries(model, kwargs)

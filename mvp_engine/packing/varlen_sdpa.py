@@ -7,7 +7,11 @@ need CUDA. This backend takes the same kwargs as flash (``cu_seq_lens_q/k`` over
 ``AttentionInterface`` (and flash's mask function, so no dense mask is ever built) when this package is imported;
 ``build_model(..., "sdpa_varlen")`` then selects it like any built-in backend. Measured in ``tools/bench_train.py``.
 A mask more than causal (bidirectional blocks, a sliding window) comes as ``SpanMasks`` in ``attention_mask``, one
-small mask per span (``mask_forms.span_masks``); spans without one keep the fused causal path.
+small mask per span (``mask_forms.span_masks``); spans without one keep the fused causal path. A preference pair's
+segment (its ``cu_seq_lens`` told the pair's part lengths, ``branches.carry_pair_parts``) runs as its prefix, a
+causal span like any other, and each continuation's attention over the prefix and over itself, two fused calls
+merged by their log-sum-exp (``prefix_attention``): no mask, and no work on the block between the continuations.
+torch sdpa cannot soft-cap scores: a layer asking for it is refused.
 
 Without ``cu_seq_lens`` (the unpacked baseline) each row is one span, cut at the end of its 2-D padding mask
 (right padding, as the collator produces).
@@ -26,7 +30,9 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_atten
 
 from .backends import SDPA_VARLEN
 from .batch_metadata import host_bounds
+from .branches import pair_parts
 from .mask_forms import SpanMasks
+from .prefix_attention import prefix_merged_attention
 
 
 def _spans_from_padding_mask(attention_mask: torch.Tensor | None, batch: int, length: int) -> list[tuple[int, int]]:
@@ -81,12 +87,49 @@ def gqa_arguments(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m
     return key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1), False
 
 
+def _pair_layout(spans: list[tuple[int, int]], masks, parts, causal: bool, dropout: float, window) -> tuple:
+    """The pieces the spans are computed in: ``(sizes, masks, prefix_of)``, a pair span split into its prefix (a
+    causal span) and its continuations, ``prefix_of[i]`` the prefix piece whose keys continuation piece ``i`` also
+    sees (module docstring). Without pair parts the spans as they are."""
+    if parts is None:
+        return [b - a for a, b in spans], masks, {}
+    if len(parts) != len(spans):
+        raise ValueError(f"{SDPA_VARLEN}: pair parts for {len(parts)} spans, cu_seq_lens hold {len(spans)}")
+    if any(p is not None for p in parts) and (not causal or dropout or window is not None):
+        raise ValueError(f"{SDPA_VARLEN} merges a shared prefix for causal attention without dropout or sliding "
+                         f"window only (got is_causal={causal}, dropout={dropout}, sliding_window={window})")
+    sizes, piece_masks, prefix_of = [], [], {}
+    for (start, end), mask, lengths in zip(spans, masks, parts):
+        if lengths is None:
+            sizes.append(end - start)
+            piece_masks.append(mask)
+            continue
+        if sum(lengths) != end - start:
+            raise ValueError(f"{SDPA_VARLEN}: pair parts {lengths} do not fill the span {start}..{end}")
+        if mask is not None:
+            raise ValueError(f"{SDPA_VARLEN}: the pair span {start}..{end} has a mask of its own (bidirectional blocks "
+                             "or a window beside a shared prefix are not merged)")
+        prefix = len(sizes)
+        sizes.append(lengths[0])
+        piece_masks.append(None)
+        for length in lengths[1:]:
+            prefix_of[len(sizes)] = prefix
+            sizes.append(length)
+            piece_masks.append(None)
+    return sizes, piece_masks, prefix_of
+
+
 def sdpa_varlen_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                           is_causal=None, cu_seq_lens_q=None, cu_seq_lens_k=None, **kwargs):
     """Causal sdpa inside each span of the flattened (B*L) tokens; returns (B, L, H, D) like transformers' kernels.
-    ``attention_mask`` may be ``SpanMasks``: its spans, each with its own mask (None: plain causal)."""
+    ``attention_mask`` may be ``SpanMasks``: its spans, each with its own mask (None: plain causal). A pair
+    segment's continuations see its prefix and themselves (module docstring)."""
     batch, heads, length, dim = query.shape
+    if kwargs.get("softcap") is not None:
+        raise ValueError(f"{SDPA_VARLEN} cannot soft-cap attention scores (softcap={kwargs['softcap']}): torch sdpa "
+                         "has no soft-capping; use eager or flex_attention")
     span_mask_list = None
+    pairs = pair_parts(cu_seq_lens_q)
     if isinstance(attention_mask, SpanMasks):
         # compared by their values on the host (carried by the packed kwargs and the SpanMasks: no read-back)
         if cu_seq_lens_q is not None and host_bounds(cu_seq_lens_q) != host_bounds(attention_mask.cu_seq_lens):
@@ -110,15 +153,16 @@ def sdpa_varlen_attention(module, query, key, value, attention_mask, dropout: fl
         spans = list(zip(bounds[:-1], bounds[1:]))
     q, k, v = (t.transpose(0, 1).reshape(t.shape[1], batch * length, dim) for t in (query, key, value))
     causal = bool(module.is_causal if is_causal is None else is_causal)
-    sizes = [b - a for a, b in spans]
-    masks = span_mask_list or (None,) * len(spans)
+    sizes, masks, prefix_of = _pair_layout(spans, span_mask_list or (None,) * len(spans), pairs, causal, dropout,
+                                           kwargs.get("sliding_window"))
     # one split per tensor: slicing each span out separately makes every slice's backward fill a zero tensor of the
     # whole row (work ~ spans x L, i.e. L^2; 7.7 s of a 27.5 s step at 32 k, measured by tools/bench_long.py)
     pieces = [torch.split(t, sizes, dim=1) for t in (q, k, v)]
     groups: dict[object, list[int]] = {}
     for index, (n, mask) in enumerate(zip(sizes, masks)):
-        groups.setdefault(n if mask is None else ("masked", index), []).append(index)  # a masked span runs alone
-    outputs: list[torch.Tensor | None] = [None] * len(spans)
+        if index not in prefix_of:  # a masked span runs alone
+            groups.setdefault(n if mask is None else ("masked", index), []).append(index)
+    outputs: list[torch.Tensor | None] = [None] * len(sizes)
     for indices in groups.values():
         # spans as 4-D (G, H, n, D): torch picks its fused kernels only for 4-D inputs (3-D falls back to the math
         # kernel: 7.5x slower and +3 GiB on one 8 k span, measured), and equal-length spans share one call
@@ -129,6 +173,10 @@ def sdpa_varlen_attention(module, query, key, value, attention_mask, dropout: fl
                                              scale=scaling, dropout_p=dropout, enable_gqa=gqa)
         for i, part in zip(indices, out.unbind(0)):
             outputs[i] = part
+    for i, prefix in prefix_of.items():
+        qp, kp, vp = (parts[i].unsqueeze(0) for parts in pieces)  # (1, H, n, D)
+        kx, vx = (parts[prefix].unsqueeze(0) for parts in pieces[1:])
+        outputs[i] = prefix_merged_attention(qp, kx, vx, kp, vp, scale=scaling)[0]
     out = torch.cat(outputs, dim=1)
     return out.reshape(heads, batch, length, dim).permute(1, 2, 0, 3).contiguous(), None
 
