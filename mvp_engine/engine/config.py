@@ -227,8 +227,6 @@ class PreferenceSpec:
             raise ConfigError(f"dpo.loss_type={self.loss_type!r} is invalid: allowed one of {list(LOSS_TYPES)}")
         if self.reference not in REFERENCES:
             raise ConfigError(f"dpo.reference={self.reference!r} is invalid: allowed one of {list(REFERENCES)}")
-        if self.reference == "precomputed":
-            raise ConfigError("dpo.reference=precomputed is not implemented yet: use adapters_off (LoRA) or copy")
         if not self.beta > 0:
             raise ConfigError(f"dpo.beta={self.beta!r} is invalid: allowed a float > 0")
         if not 0 <= self.label_smoothing < 0.5:

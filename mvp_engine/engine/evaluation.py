@@ -9,12 +9,17 @@ on the world size or on the micro-batch.
 No number stands for nothing evaluated: a source whose every record is left out (overlong, bad) stops the run or
 the evaluation before any model runs, in one line naming the source and the reasons; where the samples planned all
 turn out bad when decoded, the loss is None with its reason (``eval_loss_reason``), never 0.
+
+Under ``train.objective=dpo`` the sources hold held-out preference pairs (``preference.eval_pairs``) and the loss is
+the training objective's, weighted per pair: ``eval_loss`` is the mean pair loss over ``eval_pairs`` pairs, beside
+the pairs' means of ``preference.METRICS`` (``eval_rewards/chosen``, ``eval_rewards/margin``,
+``eval_rewards/accuracy``, ...), each summed over the ranks before it is divided, as the loss is.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +32,7 @@ from mvp_engine.kit.mllm.data import BadRecord, MLLMDataKit, MLLMSampleEncoder, 
 
 from .config import ConfigError, RunSpecs
 from .parallel import ParallelLayout
+from .preference import pair_means
 from .train_step import TrainStep
 
 EVAL_LOSS = "eval_loss"
@@ -63,13 +69,20 @@ class EvalSet:
                               f"records (bad), or leave the source out")
 
 
-def build_eval_sets(specs: RunSpecs, encoder: MLLMSampleEncoder, rank: int, world_size: int) -> list[EvalSet]:
+def build_eval_sets(specs: RunSpecs, encoder: MLLMSampleEncoder, rank: int, world_size: int,
+                    pairs: Callable | None = None) -> list[EvalSet]:
     """Every ``data.eval_sources`` entry as a dataset of its own, planned now (measuring every record, so a bad
-    record stops or is counted before the first step, as the training set's are)."""
+    record stops or is counted before the first step, as the training set's are). ``pairs``
+    (``preference.eval_pairs``): the sources hold preference pairs, ``pairs(data, build)`` reads them."""
     sets = []
     for source in specs.data.eval_source_entries():  # validated: a name is used once
-        dataset = MLLMDataKit.build_dataset(specs.data.eval_spec(source), encoder, rank=rank, world_size=world_size,
-                                            micro_batch_size=specs.train.micro_batch_size)
+        data = specs.data.eval_spec(source)
+
+        def build(records_encoder, records=None, data=data):
+            return MLLMDataKit.build_dataset(data, records_encoder, rank=rank, world_size=world_size,
+                                             records=records, micro_batch_size=specs.train.micro_batch_size)
+
+        dataset = build(encoder) if pairs is None else pairs(data, build)
         dataset.plan(0)
         eval_set = EvalSet(source.name, dataset)
         eval_set.check_bad_records()
@@ -109,8 +122,10 @@ class Evaluator:
         + bad). Every rank must call it."""
         accelerator = self.accelerator
         loaders = [self._loader(s) for s in self.sets]
-        # per source: weighted loss sum, supervised tokens, samples, packs (rows holding a sample)
+        # per source: weighted loss sum, supervised tokens (pairs under dpo), samples, packs (rows holding a sample)
         sums = torch.zeros(len(self.sets), 4, dtype=torch.float64)
+        objective = self.step.objective  # train.objective=dpo: its rewards, margin, accuracy per source
+        pair_totals = []
         found: list[list[dict]] = [[] for _ in self.sets]  # bad records found decoding, per source
         counts_rows = self.layout.counts_rows
         was_training = model.training
@@ -133,6 +148,8 @@ class Evaluator:
                             sums[index, 2] += int(batch["source_sample_num"].sum())
                             sums[index, 3] += int((batch["source_sample_num"] > 0).sum())
                         bar.update(1)
+                    if objective is not None:
+                        pair_totals.append(objective.take_totals())
         finally:
             bar.close()
             model.train(was_training)
@@ -142,10 +159,11 @@ class Evaluator:
         for eval_set, bad in zip(self.sets, found):
             eval_set.check_bad_records(bad)  # the same verdict on every rank: all stop together
         faults = [Counter(bad["reason"] for bad in source) for source in found]
-        return self._metrics(sums), self._records(sums, faults)
-
-    def _metrics(self, sums: torch.Tensor) -> dict:
-        return eval_metrics([s.name for s in self.sets], sums)
+        metrics = eval_metrics([s.name for s in self.sets], sums, "tokens" if objective is None else "pairs")
+        if objective is not None:
+            totals = accelerator.reduce(torch.stack(pair_totals).to(accelerator.device), reduction="sum").cpu()
+            metrics.update(pair_eval_metrics([s.name for s in self.sets], totals))
+        return metrics, self._records(sums, faults)
 
     def _records(self, sums: torch.Tensor, faults: list[Counter]) -> dict:
         """Each source's ledger: the plan's drops, the bad records found measuring it and, from every rank, those
@@ -162,17 +180,27 @@ class Evaluator:
         return records
 
 
-def eval_metrics(names: list[str], sums: torch.Tensor) -> dict:
-    """The metrics of per-source sums (weighted loss, supervised tokens, samples, packs): a loss is None where no
-    supervised token was evaluated, with the reason beside the overall one."""
+def eval_metrics(names: list[str], sums: torch.Tensor, unit: str = "tokens") -> dict:
+    """The metrics of per-source sums (weighted loss, its weight: supervised ``tokens`` or preference ``pairs``,
+    samples, packs): a loss is None where nothing was evaluated, with the reason beside the overall one."""
     total = sums.sum(0)
-    metrics = {EVAL_LOSS: _mean(total), "eval_tokens": int(total[1]), "eval_samples": int(total[2]),
+    metrics = {EVAL_LOSS: _mean(total), f"eval_{unit}": int(total[1]), "eval_samples": int(total[2]),
                "eval_packs": int(total[3])}
     if metrics[EVAL_LOSS] is None:
         metrics[NO_LOSS] = NOTHING_DECODED
     if len(names) > 1:
         for name, row in zip(names, sums):
             metrics[f"{EVAL_LOSS}/{name}"] = _mean(row)
+    return metrics
+
+
+def pair_eval_metrics(names: list[str], totals: torch.Tensor) -> dict:
+    """``eval_<metric>`` of the pairs of every source (``totals``: per source, the objective's sums over the ranks),
+    and ``eval_<metric>/<name>`` per source when there are several."""
+    metrics = {f"eval_{key}": value for key, value in pair_means(totals.sum(0)).items()}
+    if len(names) > 1:
+        for name, row in zip(names, totals):
+            metrics.update({f"eval_{key}/{name}": value for key, value in pair_means(row).items()})
     return metrics
 
 
@@ -184,15 +212,19 @@ def describe(metrics: dict, digits: int = 4) -> str:
     """An evaluation's console line: its loss, or why there is none, and what it covered."""
     loss = metrics[EVAL_LOSS]
     said = f"{EVAL_LOSS} {loss:.{digits}f}" if loss is not None else f"{EVAL_LOSS} none ({metrics[NO_LOSS]})"
+    if "eval_pairs" in metrics:  # train.objective=dpo
+        margin, accuracy = metrics["eval_rewards/margin"], metrics["eval_rewards/accuracy"]
+        return f"{said}, margin {margin:.{digits}f}, accuracy {accuracy:.3f} over {metrics['eval_pairs']} pairs"
     return f"{said} over {metrics['eval_tokens']} tokens of {metrics['eval_samples']} samples"
 
 
 def build_evaluator(specs: RunSpecs, accelerator: Accelerator, encoder: MLLMSampleEncoder, collator,
-                    step: TrainStep, layout: ParallelLayout) -> Evaluator | None:
-    """The run's evaluator over ``data.eval_sources`` (None without any)."""
+                    step: TrainStep, layout: ParallelLayout, pairs: Callable | None = None) -> Evaluator | None:
+    """The run's evaluator over ``data.eval_sources`` (None without any); ``pairs``: as for
+    :func:`build_eval_sets`."""
     if not specs.data.eval_sources:
         return None
-    sets = build_eval_sets(specs, encoder, layout.dp_rank, layout.dp_size)
+    sets = build_eval_sets(specs, encoder, layout.dp_rank, layout.dp_size, pairs)
     if accelerator.is_main_process:
         for eval_set in sets:
             ledger = eval_set.dataset.epoch_ledger(epoch=0)

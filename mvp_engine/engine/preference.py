@@ -21,7 +21,11 @@ Exact under accumulation and data parallelism as the SFT reductions are: the ste
 losses over the number of pairs in the step (every micro-batch, every rank), each pair whole in one micro-batch.
 
 The reference model (``dpo.reference``): ``adapters_off`` runs the policy itself with its LoRA adapters disabled
-(no second copy); ``copy`` a frozen copy taken before training; ``precomputed`` is not offered yet (one line).
+(no second copy); ``copy`` a frozen copy taken before training; ``precomputed`` looks each pair's reference
+log-probabilities up by its record key in a table computed in one pass before training (``reference_logps.py``).
+
+Held-out pairs (``data.eval_sources``) are read, planned and packed as the training pairs are
+(:func:`eval_pairs`), and evaluated with the same objective: loss, rewards, margin, accuracy (``evaluation.py``).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mvp_engine.kit.mllm.data import IGNORE_INDEX
+from mvp_engine.kit.mllm.data import IGNORE_INDEX, MLLMDataSpec
 from mvp_engine.kit.mllm.data.pairs import BRANCH_FIELD, CHOSEN, REJECTED, PairEncoder, PreferenceRecord
 from mvp_engine.kit.mllm.data.preference_sources import read_preference_records
 from mvp_engine.packing import has_layer_types, has_linear_attention, takes_varlen_kwargs, unwrap_model
@@ -165,13 +169,16 @@ def frozen_copy(model) -> torch.nn.Module:
 
 class PreferenceObjective:
     """The step's objective under ``train.objective=dpo``: the weight of a micro-batch (its pairs), its loss parts
-    and the step's metrics. ``reference``: the frozen copy under ``dpo.reference=copy``."""
+    and the step's metrics. ``reference``: the frozen copy under ``dpo.reference=copy``; ``lookup``: under
+    ``precomputed``, the batch's pairs' reference log-probabilities (``reference_logps.ReferenceTable``, set before
+    the first step)."""
 
     def __init__(self, spec: PreferenceSpec, reference: torch.nn.Module | None = None):
         if spec.needs_reference and spec.reference == "copy" and reference is None:
             raise ValueError("dpo.reference=copy needs the frozen copy (preference.frozen_copy)")
         self.spec = spec
         self.reference = reference
+        self.lookup: Callable[[dict], PairLogProbs] | None = None
         self._totals = torch.zeros(len(METRICS) + 1, dtype=torch.float64)
 
     def weights(self, batch: dict) -> int:
@@ -181,6 +188,11 @@ class PreferenceObjective:
                            chunk_tokens: int) -> PairLogProbs | None:
         if not self.spec.needs_reference:
             return None
+        if self.spec.reference == "precomputed":
+            if self.lookup is None:
+                raise RuntimeError("dpo.reference=precomputed: the reference pass has not run "
+                                   "(reference_logps.attach_precomputed_reference)")
+            return self.lookup(batch)
         with torch.no_grad():
             if self.spec.reference == "copy":
                 return batch_pair_logprobs(self.reference, batch, forward, autocast, chunk_tokens)[0]
@@ -199,12 +211,21 @@ class PreferenceObjective:
         self._totals += stats.double().cpu()
         return WeightedTokenLoss(losses.sum() + zero, torch.tensor(float(len(losses)))), dummy
 
+    def take_totals(self) -> torch.Tensor:
+        """This rank's sums since the last call (``METRICS``, then the pair count), reset. An evaluation, which runs
+        between steps, takes its own this way."""
+        totals, self._totals = self._totals, torch.zeros_like(self._totals)
+        return totals
+
     def step_metrics(self, reduce: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> dict[str, float]:
         """The step's means per pair (``reduce``: the sum over ranks), then reset for the next step."""
-        totals = reduce(self._totals).cpu()
-        self._totals = torch.zeros_like(self._totals)
-        pairs = float(totals[-1])
-        return {name: float(value) / max(pairs, 1.0) for name, value in zip(METRICS, totals[:-1].tolist())}
+        return pair_means(reduce(self.take_totals()).cpu())
+
+
+def pair_means(totals: torch.Tensor) -> dict[str, float]:
+    """Each of ``METRICS`` per pair, from the sums :meth:`PreferenceObjective.take_totals` gives."""
+    pairs = float(totals[-1])
+    return {name: float(value) / max(pairs, 1.0) for name, value in zip(METRICS, totals[:-1].tolist())}
 
 
 # --- a run's parts under train.objective=dpo (run.py) ----------------------------------------------------------
@@ -212,7 +233,7 @@ class PreferenceObjective:
 
 def preference_spec(cfg, specs: RunSpecs) -> PreferenceSpec | None:
     """The validated ``dpo.*`` of a run whose ``train.objective`` is dpo (None under sft); one line for what such a
-    run cannot do yet: unpacked pairs, context parallelism, evaluation sets."""
+    run cannot do yet: unpacked pairs, context parallelism."""
     spec = specs.dpo
     if spec is None:
         return None
@@ -220,8 +241,6 @@ def preference_spec(cfg, specs: RunSpecs) -> PreferenceSpec | None:
         raise ConfigError("train.objective=dpo packs each pair as one item: add +packing=greedy (or bfd)")
     if specs.train.context_parallel_size != 1:
         raise ConfigError("train.objective=dpo with train.context_parallel_size > 1 is not supported yet")
-    if specs.data.eval_sources:
-        raise ConfigError("train.objective=dpo does not evaluate data.eval_sources yet: leave it empty")
     if takes_varlen_kwargs(specs.attention) and str(cfg.attention.implementation) == "auto" and spec.shared_prefix:
         specs.attention, specs.attention_why = "sdpa", "train.objective=dpo: a shared prefix needs a mask"
     return spec
@@ -239,31 +258,42 @@ def prefix_obstacle(model, attention: str) -> str | None:
     return None
 
 
-def read_pairs(specs: RunSpecs, on_bad: Callable | None = None) -> list[PreferenceRecord]:
-    """Every pair of the run's sources (``data.sources``: preference files, ``preference_sources``)."""
-    data = specs.data
+def read_pairs(data: MLLMDataSpec, on_bad: Callable | None = None) -> list[PreferenceRecord]:
+    """Every pair of ``data``'s sources (preference files, ``preference_sources``)."""
     return [pair for source in data.source_entries()
             for pair in read_preference_records(source.path, source.image_root or data.image_root, on_bad=on_bad,
                                                 max_record_bytes=data.max_record_bytes, media_roots=data.media_roots)]
+
+
+def pairs_dataset(data: MLLMDataSpec, encoder: PairEncoder, build: Callable):
+    """``build(encoder, pairs)`` over the pairs of ``data``'s sources; pairs the reader refused are the dataset's
+    bad records (stage ``read``), or stop the run under ``data.on_bad_record=error``."""
+    refused = []
+    pairs = read_pairs(data, refused.append if data.on_bad_record == "skip" else None)
+    dataset = build(encoder, pairs)
+    for err in refused:
+        dataset.bad_records.add_error(err, "read")
+    dataset.bad_records.records_read = len(pairs) + len(refused)
+    return dataset
 
 
 def pair_dataset(specs: RunSpecs, spec: PreferenceSpec, encoder, build: Callable, model,
                  announce: Callable[[str], None] = print):
     """The run's dataset over its pairs: ``build(encoder, records)`` (``run.build_run_dataset``) with the recipe's
     encoder wrapped in a :class:`PairEncoder`, the prefix duplicated where ``model`` cannot share it (said through
-    ``announce``); pairs the reader refused are the dataset's bad records (stage ``read``), or stop the run under
-    ``data.on_bad_record=error``."""
+    ``announce``; the eval pairs and the reference pass then take the same layout)."""
     obstacle = prefix_obstacle(model, specs.attention) if spec.shared_prefix else None
     if obstacle is not None:
         spec.shared_prefix = False
         announce(f"dpo: each pair's prefix duplicated per answer ({obstacle})")
-    refused = []
-    pairs = read_pairs(specs, refused.append if specs.data.on_bad_record == "skip" else None)
-    dataset = build(PairEncoder(encoder, spec.shared_prefix), pairs)
-    for err in refused:
-        dataset.bad_records.add_error(err, "read")
-    dataset.bad_records.records_read = len(pairs) + len(refused)
-    return dataset
+    return pairs_dataset(specs.data, PairEncoder(encoder, spec.shared_prefix), build)
+
+
+def eval_pairs(spec: PreferenceSpec, encoder) -> Callable:
+    """How an eval source (``evaluation.build_eval_sets``: its data spec and ``build(encoder, records)``) becomes a
+    dataset of held-out pairs, laid out as the training pairs are."""
+    pair_encoder = PairEncoder(encoder, spec.shared_prefix)
+    return lambda data, build: pairs_dataset(data, pair_encoder, build)
 
 
 def build_objective(spec: PreferenceSpec, model, device) -> PreferenceObjective:

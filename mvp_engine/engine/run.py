@@ -43,7 +43,7 @@ from .launch import build_accelerator, use_deterministic
 from .model_folder import check_model_folder
 from .parallel import ParallelLayout, build_layout, parallelize, plan_layout
 from .participation import ParameterReport, media_kinds
-from .preference import build_objective, pair_dataset, preference_spec
+from .preference import build_objective, eval_pairs, pair_dataset, preference_spec
 from .recipe import Recipe
 from .router_balance import build_router_balance
 from .row_widths import run_collator
@@ -190,7 +190,8 @@ def _assemble(cfg: DictConfig, recipe: Recipe, specs: RunSpecs, purpose: str) ->
     if training:
         run.total_steps = run.dataset.estimate_total_steps(train.epochs)
         refuse_without_steps(run.dataset, run.total_steps)
-    run.evaluator = build_evaluator(specs, accelerator, encoder, run.collator, run.step, layout)
+    run.evaluator = build_evaluator(specs, accelerator, encoder, run.collator, run.step, layout,
+                                    eval_pairs(preference, encoder) if preference is not None else None)
     run.model = parallelize(model, layout, train, recipe, accelerator if training else None, weights_from_rank0)
     return run
 

@@ -58,7 +58,7 @@ def run_identity(recipe: str, specs: RunSpecs) -> dict[str, Any]:
     The demo settings are left out: the demo set they write is a source like any other."""
     data = specs.data
     settings = {"recipe": recipe, "attention": specs.attention,
-                "train": asdict(specs.train), "model": _model(specs), "packing": _plain(data.packing),
+                "train": asdict(specs.train), "model": model_identity(specs), "packing": _plain(data.packing),
                 **({"dpo": asdict(specs.dpo)} if specs.dpo is not None else {}),
                 "data": {k: v for k, v in asdict(data).items() if k not in ("sources", "eval_sources", "packing")}}
     identity = {key: value for key, value in _flat(settings).items() if key not in ELASTIC}
@@ -131,14 +131,15 @@ def _plain(value: Any) -> Any:
     return value if value is None or isinstance(value, (bool, int, float, str)) else str(value)
 
 
-def _model(specs: RunSpecs) -> dict:
-    """``model.*``, its folders (``pretrained``, ``tokenizer_dir``) by path and content."""
+def model_identity(specs: RunSpecs) -> dict:
+    """``model.*``, its folders (``pretrained``, ``tokenizer_dir``) by path and content (also what the cache of
+    precomputed reference log-probabilities keys on, ``reference_logps.py``)."""
     model = asdict(specs.model)
     extra = model.pop("extra")
     for key in ("pretrained", "tokenizer_dir"):
         if model[key]:
             path = os.path.abspath(model[key]) if os.path.exists(model[key]) else model[key]
-            model[key] = {"path": path, "content": _content(model[key])}
+            model[key] = {"path": path, "content": path_content(model[key])}
     return {**extra, **model}
 
 
@@ -146,11 +147,11 @@ def _sources(entries, data: MLLMDataSpec) -> list[dict]:
     """Each source in order (the plan numbers records source after source): name, path, image root, repeat and a
     fingerprint of its content."""
     return [{"name": entry.name, "path": os.path.abspath(entry.path), "repeat": entry.repeat,
-             "image_root": entry.image_root or data.image_root, "content": _content(entry.path)}
+             "image_root": entry.image_root or data.image_root, "content": path_content(entry.path)}
             for entry in entries]
 
 
-def _content(path: str) -> str | None:
+def path_content(path: str) -> str | None:
     """A file's :func:`content_identity`; of every file under a folder (a saved data set, a model folder), by name
     relative to it; of every shard a pattern matches (a shard source: a shard added, gone or changed moves the
     plan); None for a name that is no path (a hub name: the name is all there is)."""

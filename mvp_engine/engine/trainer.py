@@ -36,6 +36,7 @@ from .launch import describe_processes, workers_for
 from .lora import save_adapters
 from .preemption import PreemptionWatch, ignore_stop_signals
 from .recipe import Recipe
+from .reference_logps import attach_precomputed_reference
 from .run import assemble
 from .run_files import RunFiles
 from .sharding import describe_sharding, full_state_dict, is_sharded, own_class
@@ -128,6 +129,7 @@ class Trainer:
         self.evaluator, self.total_steps = parts.evaluator, parts.total_steps
         self.output_dir, self.resume_from, self.files = parts.output_dir, parts.resume_from, RunFiles(parts.output_dir)
         self.bad_records = self.dataset.bad_records
+        self.reference_report: dict | None = None  # dpo.reference=precomputed: what its pass computed or read
         train = self.specs.train
         self.peak_tflops, self.peak_source = device_peak_tflops(train.peak_tflops, train.mixed_precision,
                                                                 self.accelerator.device)
@@ -141,6 +143,8 @@ class Trainer:
     def run(self) -> dict:
         """Train every epoch (a stop signal checkpoints and ends early), then write the summary and the model."""
         self._report_bad_records_found_before_training()
+        # dpo.reference=precomputed: one pass of the model as it starts (before a resume loads its checkpoint)
+        self.reference_report = attach_precomputed_reference(self.parts)
         model, optimizer, scheduler = self._prepare_training()
         checkpointer = Checkpointer(self.accelerator, self.output_dir, self.specs.train.keep_last, model, optimizer,
                                     scheduler, trainable_only=self.specs.model.lora.enabled)
@@ -229,6 +233,8 @@ class Trainer:
         summary["stopped_by"] = progress.stopped_by
         if session.evaluation is not None:
             summary["eval"] = session.evaluation
+        if self.reference_report is not None:  # sources whose reference log-probabilities were computed / read
+            summary["dpo_reference"] = self.reference_report
         if progress.stopped_by is None:
             self._save(session.model, summary)
         elif self.accelerator.is_main_process:

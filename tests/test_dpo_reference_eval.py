@@ -1,0 +1,97 @@
+"""dpo.reference=precomputed and held-out pairs under train.objective=dpo, through the real trainer (in-process, tiny
+llava, the testkit's pairs).
+
+The runs fine-tune the whole model (no adapters), so the frozen copy is a second model the policy moves away from.
+Each epoch is one optimizer step over every pair and the eval source is the training file itself, evaluated after
+every step: the evaluation after step 1 sees the weights step 2 trains from, on the same pairs, so its metrics are
+step 2's training metrics computed without an update.
+
+- ``precomputed`` (one pass before training, then a lookup by record key) logs what ``copy`` (a second model run
+  every step) logs, training and eval lines alike;
+- a second run with the same data, model and settings reads the cache instead of computing it, and trains the same;
+- a pair id that names two different pairs is refused in one line."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from mvp_engine.engine.preference import METRICS
+from mvp_engine.engine.testkit.launch import read_metrics, read_summary
+from mvp_engine.engine.testkit.preference import BAD_PAIRS, good_pairs
+from mvp_engine.engine.testkit.runs import train
+
+BASE = ["+packing=greedy", "train.objective=dpo", "train.epochs=2", "data.max_seq_len=160", "train.warmup_ratio=0",
+        "data.max_bad_fraction=0.5", "train.log_every=1", "dpo.beta=0.5", "dpo.label_smoothing=0.1",
+        "train.learning_rate=0.002", "train.micro_batch_size=16", "train.gradient_accumulation_steps=1",
+        "train.eval_every_steps=1"]
+PAIR_METRICS = ("loss", *METRICS)
+EVAL_METRICS = ("eval_loss", *(f"eval_{key}" for key in METRICS))
+
+
+@pytest.fixture(scope="module")
+def pairs_file(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("dpo_pairs")
+    rows = [{**pair, "id": f"{pair['id']}-{k}"} for k in range(3) for pair in good_pairs(folder)]
+    path = folder / "pairs.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in [*rows, *BAD_PAIRS.values()]))
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, pairs_file):
+    """The same run with a frozen copy, precomputed (cache cold), precomputed again (cache warm)."""
+    root = tmp_path_factory.mktemp("dpo_reference")
+    data = [f"data.sources=[{pairs_file}]", f"data.eval_sources=[{pairs_file}]", f"data.cache_dir={root / 'cache'}"]
+    for name, reference in (("copy", "copy"), ("cold", "precomputed"), ("warm", "precomputed")):
+        train("llava", root / name, [*BASE, *data, f"dpo.reference={reference}"])
+    return root
+
+
+def _lines(run_dir, kind):
+    lines = read_metrics(run_dir)
+    return [line for line in lines if ("eval_loss" in line) == (kind == "eval")]
+
+
+def _close(a: dict, b: dict, keys) -> None:
+    for key in keys:
+        assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-6), (key, a[key], b[key])
+
+
+def test_eval_equals_the_training_step_on_the_same_weights(runs):
+    steps, evals = _lines(runs / "copy", "train"), _lines(runs / "copy", "eval")
+    assert [line["step"] for line in steps] == [1, 2] and [line["step"] for line in evals] == [1, 2]
+    assert evals[0]["eval_pairs"] == evals[0]["eval_samples"] == 9  # every good pair, the bad ones counted
+    assert steps[1]["rewards/margin"] != 0, "step 1 moved the policy off its reference"
+    # the evaluation after step 1 is step 2's forward without its update
+    _close(evals[0], {f"eval_{key}": value for key, value in steps[1].items()}, EVAL_METRICS)
+
+
+def test_precomputed_reference_trains_as_the_copy(runs):
+    copy, cold = read_metrics(runs / "copy"), read_metrics(runs / "cold")
+    assert len(copy) == len(cold) == 4
+    for a, b in zip(copy, cold):
+        keys = EVAL_METRICS if "eval_loss" in a else (*PAIR_METRICS, "grad_norm")
+        if abs(a.get("rewards/margin", 1.0)) < 1e-5:
+            # step 1: the policy is its reference, every pair ties and rounding (the pass packs the pairs in
+            # other rows) decides "chosen > rejected"
+            keys = [key for key in keys if key != "rewards/accuracy"]
+        _close(a, b, keys)
+    # the pass ran once over the one file (a training and an eval source) and was cached; the rerun read it
+    assert read_summary(runs / "cold")["dpo_reference"] == {"computed": 1, "read": 0, "pairs": 9}
+    assert read_summary(runs / "warm")["dpo_reference"] == {"computed": 0, "read": 1, "pairs": 9}
+    assert read_metrics(runs / "warm") == cold
+
+
+def test_precomputed_refuses_an_id_naming_two_pairs(tmp_path, pairs_file):
+    rows = [json.loads(line) for line in pairs_file.read_text().splitlines()][:2]
+    rows[1]["id"] = rows[0]["id"]
+    clash = pairs_file.parent / "clash.jsonl"  # beside the images the pairs name
+    clash.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    result = train("llava", tmp_path / "run", [*BASE, f"data.sources=[{clash}]", f"data.cache_dir={tmp_path}",
+                                               "dpo.reference=precomputed"], check=False)
+    assert result.returncode != 0
+    assert f"dpo.reference=precomputed looks pairs up by their record key: {rows[0]['id']!r} names two different " \
+           "pairs" in result.stdout + result.stderr
