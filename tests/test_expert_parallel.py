@@ -1,8 +1,10 @@
 """``train.expert_parallel_size``: the tiny Qwen3.5-MoE's experts (4 per layer, top-2) split over 2 gloo ranks, tokens
 dispatched all-to-all, with the load-balancing loss on: under FSDP2, from a pretrained folder, it trains what 1 rank x
 accumulation 2 trains (losses, aux loss, grad norms, expert load, gathered final weights) and its mid-run checkpoint
-resumes the rest of the run exactly (each EP rank's expert slices under their own checkpoint keys); under DDP with
-CP 2 on the same ranks it trains what one process trains; the refusals, one line each."""
+resumes the rest of the run exactly (each EP rank's expert slices under their own checkpoint keys); so does CP 2 x EP 2
+on 4 ranks under FSDP2 (2 replicas of each expert slice, their gradients reduced between them); under DDP with CP 2 on
+2 ranks it trains what one process trains; the refusals, one line each. (qwen3_vl_moe and glm4v_moe: EP 2 in their
+``test_distributed.py``.)"""
 
 from __future__ import annotations
 
@@ -45,15 +47,7 @@ def test_experts_split_over_two_ranks_with_fsdp2_train_what_one_rank_accumulatin
     split = [*both, "train.sharding=fsdp2", "train.expert_parallel_size=2", "train.gradient_accumulation_steps=1"]
     out = kit.train(RECIPE, tmp_path, [*split, "train.save_every_steps=1", "train.keep_last=100"], nproc=2).stdout
     assert "expert parallelism: 4 experts per layer split over 2 ranks (2 each)" in out, out
-    one_dir = kit.cached_run(RECIPE, [*both, "train.gradient_accumulation_steps=2"])
-    two, one = kit.read_metrics(tmp_path), kit.read_metrics(one_dir)
-    assert [m["samples"] for m in two] == [m["samples"] for m in one] and len(two) >= 4
-    differences = {key: max(abs(a[key] - b[key]) for a, b in zip(two, one)) for key in ("loss", "aux_loss",
-                                                                                          "grad_norm")}
-    weights = kit.max_weight_difference(kit.final_weights(tmp_path), kit.final_weights(one_dir))
-    print(f"{len(two)} steps: {differences}, weights {weights}")
-    assert differences["loss"] <= 1e-5 and differences["aux_loss"] <= 1e-5 and differences["grad_norm"] <= 1e-4
-    assert weights <= 1e-5, f"parameters differ by {weights}"
+    two, one = check_against_one_rank(tmp_path, both)
     # resumed from the middle of the second epoch: the rest of the run, exactly
     step = [m["step"] for m in two if m["epoch"] == 1][0]
     resumed = tmp_path / "resumed"
@@ -62,6 +56,38 @@ def test_experts_split_over_two_ranks_with_fsdp2_train_what_one_rank_accumulatin
     assert kit.max_weight_difference(kit.final_weights(resumed), kit.final_weights(tmp_path)) == 0
     loads = [(a, b) for x, y in zip(two, one) for a, b in zip(x["expert_load"], y["expert_load"], strict=True)]
     assert max(abs(a - b) for a, b in loads) <= 1e-3  # rounded to 4 places
+
+
+def check_against_one_rank(run_dir, both: list[str]) -> tuple[list[dict], list[dict]]:
+    """``run_dir``'s run against 1 rank x accumulation 2 over ``both`` (the session's, shared by the tests here):
+    the same samples per step, losses, aux losses and grad norms, final weights (the experts gathered); the two
+    runs' metrics."""
+    one_dir = kit.cached_run(RECIPE, [*both, "train.gradient_accumulation_steps=2"])
+    split, one = kit.read_metrics(run_dir), kit.read_metrics(one_dir)
+    assert [m["samples"] for m in split] == [m["samples"] for m in one] and len(split) >= 4
+    differences = {key: max(abs(a[key] - b[key]) for a, b in zip(split, one)) for key in ("loss", "aux_loss",
+                                                                                            "grad_norm")}
+    weights = kit.max_weight_difference(kit.final_weights(run_dir), kit.final_weights(one_dir))
+    print(f"{len(split)} steps: {differences}, weights {weights}")
+    assert differences["loss"] <= 1e-5 and differences["aux_loss"] <= 1e-5 and differences["grad_norm"] <= 1e-4
+    assert weights <= 1e-5, f"parameters differ by {weights}"
+    return split, one
+
+
+@pytest.mark.slow
+@pytest.mark.launch
+def test_cp2_by_ep2_on_four_ranks_with_fsdp2_trains_what_one_rank_accumulating_two_trains(pretrained, tmp_path):
+    """DP 2 x CP 2 on 4 ranks, each EP group the CP group (ranks 0-1, 2-3), so each expert slice has 2 replicas
+    (ranks 0 and 2, 1 and 3) whose FSDP2 shards reduce their gradients between them (force-summed on gloo; the 2-rank
+    runs have one replica); the reference is the 2-rank FSDP2 test's."""
+    both = [*common(), f"model.pretrained={pretrained}"]
+    out = kit.train(RECIPE, tmp_path, [*both, "train.sharding=fsdp2", "train.context_parallel_size=2",
+                                       "train.expert_parallel_size=2", "train.gradient_accumulation_steps=1"],
+                    nproc=4).stdout
+    assert "expert parallelism: 4 experts per layer split over 2 ranks (2 each), 2 replica(s)" in out, out
+    summary = kit.read_summary(tmp_path)
+    assert summary["context_parallel_size"] == 2 and summary["world_size"] == 4
+    check_against_one_rank(tmp_path, both)
 
 
 def _model(experts: int):
