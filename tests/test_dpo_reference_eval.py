@@ -60,6 +60,18 @@ def _close(a: dict, b: dict, keys) -> None:
         assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-6), (key, a[key], b[key])
 
 
+def _same_runs(one: list[dict], two: list[dict]) -> None:
+    """Training and eval lines equal to 1e-5, where the reference log-probabilities come from packs laid out
+    differently (the pass packs each source in record order, the copy runs in the step's packs)."""
+    assert len(one) == len(two) == 4
+    for a, b in zip(one, two):
+        keys = EVAL_METRICS if "eval_loss" in a else (*PAIR_METRICS, "grad_norm")
+        if abs(a.get("rewards/margin", 1.0)) < 1e-5:
+            # step 1: the policy is its reference, every pair ties and rounding decides "chosen > rejected"
+            keys = [key for key in keys if key != "rewards/accuracy"]
+        _close(a, b, keys)
+
+
 def test_eval_equals_the_training_step_on_the_same_weights(runs):
     steps, evals = _lines(runs / "copy", "train"), _lines(runs / "copy", "eval")
     assert [line["step"] for line in steps] == [1, 2] and [line["step"] for line in evals] == [1, 2]
@@ -70,15 +82,8 @@ def test_eval_equals_the_training_step_on_the_same_weights(runs):
 
 
 def test_precomputed_reference_trains_as_the_copy(runs):
-    copy, cold = read_metrics(runs / "copy"), read_metrics(runs / "cold")
-    assert len(copy) == len(cold) == 4
-    for a, b in zip(copy, cold):
-        keys = EVAL_METRICS if "eval_loss" in a else (*PAIR_METRICS, "grad_norm")
-        if abs(a.get("rewards/margin", 1.0)) < 1e-5:
-            # step 1: the policy is its reference, every pair ties and rounding (the pass packs the pairs in
-            # other rows) decides "chosen > rejected"
-            keys = [key for key in keys if key != "rewards/accuracy"]
-        _close(a, b, keys)
+    cold = read_metrics(runs / "cold")
+    _same_runs(read_metrics(runs / "copy"), cold)
     # the pass ran once over the one file (a training and an eval source) and was cached; the rerun read it
     assert read_summary(runs / "cold")["dpo_reference"] == {"computed": 1, "read": 0, "pairs": 9}
     assert read_summary(runs / "warm")["dpo_reference"] == {"computed": 0, "read": 1, "pairs": 9}
@@ -95,3 +100,21 @@ def test_precomputed_refuses_an_id_naming_two_pairs(tmp_path, pairs_file):
     assert result.returncode != 0
     assert f"dpo.reference=precomputed looks pairs up by their record key: {rows[0]['id']!r} names two different " \
            "pairs" in result.stdout + result.stderr
+
+
+@pytest.mark.launch
+@pytest.mark.slow
+def test_precomputed_on_two_ranks(runs, tmp_path, pairs_file):
+    """Each rank computes its share of the pass and every rank looks up the union: 2 ranks x 8 packs train as 1 rank
+    x 16, and the cache they write holds the same pairs' log-probabilities."""
+    data = [f"data.sources=[{pairs_file}]", f"data.eval_sources=[{pairs_file}]", f"data.cache_dir={tmp_path}"]
+    shape = [o for o in BASE if not o.startswith("train.micro_batch_size")] + ["train.micro_batch_size=8"]
+    train("llava", tmp_path / "ranks", [*shape, *data, "dpo.reference=precomputed"], nproc=2)
+    assert read_summary(tmp_path / "ranks")["dpo_reference"] == {"computed": 1, "read": 0, "pairs": 9}
+    _same_runs(read_metrics(tmp_path / "ranks"), read_metrics(runs / "cold"))
+    (two,), (one,) = ([json.loads(p.read_text())["entries"] for p in (folder / "dpo_reference").glob("*.json")]
+                      for folder in (tmp_path, runs / "cache"))
+    assert sorted(two) == sorted(one)
+    for key, entry in one.items():
+        assert two[key][0] == entry[0] and two[key][3:] == entry[3:]  # content digest, token counts
+        assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(two[key][1:3], entry[1:3])), key
