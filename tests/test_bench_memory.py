@@ -4,7 +4,9 @@ Checked: the state count of fp32 AdamW after a step is 4x the trainable paramete
 counters), frozen parameters count once; OK/MISS are decided by the targets; one tiny run of the command (its
 ``main``, in this process) on its own 2 ranks returns, and its numbers hold together: DDP's ranks each hold
 everything, FSDP2's shards add up to exactly DDP's parameters and hold about half per rank, recomputation saves
-bytes and trains the same. Wall-clock values are never asserted; the printed table is formatting and is not parsed.
+bytes and trains the same; ``--experts`` counts each rank's expert state from its tensors (EP 2 holds half the
+experts' weights, gradients and moments). Wall-clock values are never asserted; the printed table is formatting and
+is not parsed.
 """
 
 from __future__ import annotations
@@ -91,3 +93,31 @@ def test_the_loss_mode_measures_chunked_below_full_and_computes_what_does_not_fi
     assert large["chunked"]["peak_bytes"] < large["full_computed_bytes"] / 10
     assert "does not fit" in capsys.readouterr().out
     assert [t["name"] for t in result["targets"]] == ["chunked_peak", "chunked_time"]
+
+
+@pytest.mark.launch
+def test_the_experts_mode_counts_each_ranks_expert_state_from_its_tensors(tmp_path, monkeypatch):
+    """``--experts`` at tiny sizes (4 experts of intermediate 32, 2 MoE layers of hidden 64) on the session's 2
+    pooled ranks: each rank's expert bytes after its AdamW step are the experts' fp32 weights, gradients and both
+    moments over the EP size plus AdamW's step counters (one 4-byte counter per expert weight), for EP 1 (``none``)
+    and EP 2 alike; so the ratio it reports is the worst rank's EP 2 / none of those tensors (just above 1 / 2:
+    the counters stay whole), under the 0.55 target, and everything else a rank holds is the same in both modes."""
+    for key, value in LAUNCH_ENV.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(torch.multiprocessing, "spawn", spawn_on_pool)
+    experts, intermediate, hidden, layers = 4, 32, 64, 2
+    result = bench.main(["--experts", "--num-experts", str(experts), "--moe-intermediate", str(intermediate),
+                         "--state-length", "128", "--samples", "8", "--workdir", "work"])
+    weights = layers * experts * 3 * hidden * intermediate * 4  # gate_up [E, 2i, h] and down [E, h, i], fp32
+    counters = layers * 2 * 4
+
+    def expected(ep_size: int) -> int:
+        return 4 * weights // ep_size + counters  # weights, gradients, exp_avg, exp_avg_sq
+
+    ranks = result["ranks"]
+    assert [rank["none"]["experts"] for rank in ranks] == [expected(1)] * 2
+    assert [rank["ep2"]["experts"] for rank in ranks] == [expected(2)] * 2
+    assert all(r["none"]["total"] - r["none"]["experts"] == r["ep2"]["total"] - r["ep2"]["experts"] for r in ranks)
+    assert result["ratio"] == expected(2) / expected(1) <= bench.TARGET_STATE_RATIO
+    assert result["ok"] and result["targets"][0]["line"].endswith("OK")
