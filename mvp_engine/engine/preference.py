@@ -41,9 +41,10 @@ import torch.nn.functional as F
 from mvp_engine.kit.mllm.data import IGNORE_INDEX, MLLMDataSpec
 from mvp_engine.kit.mllm.data.pairs import BRANCH_FIELD, CHOSEN, REJECTED, PairEncoder, PreferenceRecord
 from mvp_engine.kit.mllm.data.preference_sources import read_preference_records
-from mvp_engine.packing import has_layer_types, has_linear_attention, takes_varlen_kwargs, unwrap_model
+from mvp_engine.packing import has_layer_types, has_linear_attention, shared_prefix_obstacle, unwrap_model
 
 from .config import ConfigError, PreferenceSpec, RunSpecs
+from .device import cuda_in_use
 from .linear_loss import CHUNK_TOKENS, HeadInputs
 from .loss import WeightedTokenLoss
 
@@ -241,8 +242,9 @@ def preference_spec(cfg, specs: RunSpecs) -> PreferenceSpec | None:
         raise ConfigError("train.objective=dpo packs each pair as one item: add +packing=greedy (or bfd)")
     if specs.train.context_parallel_size != 1:
         raise ConfigError("train.objective=dpo with train.context_parallel_size > 1 is not supported yet")
-    if takes_varlen_kwargs(specs.attention) and str(cfg.attention.implementation) == "auto" and spec.shared_prefix:
-        specs.attention, specs.attention_why = "sdpa", "train.objective=dpo: a shared prefix needs a mask"
+    obstacle = shared_prefix_obstacle(specs.attention, _device_type())
+    if obstacle is not None and str(cfg.attention.implementation) == "auto" and spec.shared_prefix:
+        specs.attention, specs.attention_why = "sdpa", f"train.objective=dpo: {obstacle}, sdpa masks a shared prefix"
     return spec
 
 
@@ -253,9 +255,12 @@ def prefix_obstacle(model, attention: str) -> str | None:
         return "its linear-attention layers carry a recurrent state along the segment"
     if has_layer_types(unwrap_model(model).config.get_text_config()):
         return "its sliding windows count row indices, not positions"
-    if takes_varlen_kwargs(attention):
-        return f"{attention} takes one causal span per segment"
-    return None
+    return shared_prefix_obstacle(attention, _device_type())
+
+
+def _device_type() -> str:
+    """The device type this process trains on: whether sdpa_varlen can merge a shared prefix depends on it."""
+    return "cuda" if cuda_in_use() else "cpu"
 
 
 def read_pairs(data: MLLMDataSpec, on_bad: Callable | None = None) -> list[PreferenceRecord]:

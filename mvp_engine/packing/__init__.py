@@ -44,6 +44,7 @@ from .linear_attention import (
 )
 from .mask_forms import SpanMasks, block_mask, dense_mask, flex_row_widths, packed_predicate, span_masks
 from .masks import Predicate, causal, same_block, same_segment, sliding_window
+from .prefix_attention import shared_prefix_obstacle
 from .segments import flash_varlen_kwargs, row_segments, segment_positions, segment_run_ids, validate_segment_ids
 from .sequence_parallel import (
     SequenceShard,
@@ -112,6 +113,7 @@ __all__ = [
     "replay_sequence_shard",
     "sequence_shard",
     "sequence_sharded",
+    "shared_prefix_obstacle",
     "sliding_window",
     "span_masks",
     "sub_model_attention",
