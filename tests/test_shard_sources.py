@@ -10,8 +10,9 @@ drawn ``repeat`` times).
 pooled ranks measure a set of shards together: each shard once (the encoder's calls counted on both ranks), and a
 second start measures none; a rank's worker processes measure whole shards, each record once. An Energon-prepared
 folder (megatron-energon's own ``prepare`` code) trains the JSONL's packs from its ``train`` split part alone (a
-held-out shard and an excluded sample beside it), names its bad members as a tar shard does, and is refused in one
-line when it is typed by a field map or megatron-energon is missing.
+held-out shard and an excluded sample beside it), names its bad members as a tar shard does (a shard cut short after
+preparing included), and is refused in one line when its index is stale, it is typed by a field map or
+megatron-energon is missing.
 """
 
 from __future__ import annotations
@@ -283,20 +284,31 @@ def test_check_data_names_each_bad_member_of_an_energon_source_by_shard_and_key(
         add_member(tar, "cut.json", json.dumps({**image_row, "id": "cut", "image": None}).encode())
         add_member(tar, "cut.png", png[:len(png) // 2])
         add_member(tar, "text.json", json.dumps(text_row).encode())
+        add_member(tar, "tail.json", json.dumps(text_row).encode())
     prepare_energon(folder, ["bad.tar"], [])
+    data = shard.read_bytes()
+    shard.write_bytes(data[:data.index(b"tail.json") + 512 + 4])  # cut short after preparing: the index outlives it
     cfg = kit.compose_config(RECIPE, [f"data.sources=[{folder}]", f"data.cache_dir={tmp_path / 'cache'}"])
     report = check_records(cfg, RECIPE, decode=True, workers=1)
     assert {bad.origin: (bad.reason, bad.stage) for bad in report.records.values()} == {
         f"{shard}#broken": ("invalid_json", "read"), f"{shard}#orphan": ("no_record_member", "read"),
-        f"{shard}#absent": ("missing_image", "read"), f"{shard}#cut": ("corrupt_image", "decode")}
-    assert report.records_read == 6
+        f"{shard}#absent": ("missing_image", "read"), f"{shard}#cut": ("corrupt_image", "decode"),
+        f"{shard}#tail": ("truncated_member", "read")}
+    assert report.records_read == 7
 
 
 def test_an_energon_folder_is_refused_in_one_line_when_energon_cannot_read_it(rows, tmp_path, monkeypatch):
-    """A typed dataset (a field map over its parts) and a missing megatron-energon each stop the config check."""
+    """An index that counts fewer samples than the info (stale) stops the store; a typed dataset (a field map over
+    its parts) and a missing megatron-energon each stop the config check."""
     source = write_shards(tmp_path / "prepared", rows[:2], shards=1)
     prepare_energon(tmp_path / "prepared", ["shard-0.tar"], [])
     assert source_kind(tmp_path / "prepared") == "energon" and source_kind(source) == "webdataset"
+    info = tmp_path / "prepared" / ".nv-meta" / ".info.json"
+    info.write_text(json.dumps({"shard_counts": {"shard-0.tar": 3}}))  # one sample more than the index holds
+    spec = MLLMDataSpec(sources=[str(tmp_path / "prepared")], cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(MLLMRecordError, match=r"index holds 2 samples of .*shard-0.tar, its .nv-meta info counts 3: "
+                                              "the index is stale"):
+        MLLMDataKit.open_store(spec)
     config = tmp_path / "prepared" / ".nv-meta" / "dataset.yaml"
     config.write_text("sample_type:\n  __module__: megatron.energon\n  __class__: VQASample\n"
                       "field_map:\n  image: png\n  context: json[question]\n  answers: json[answer]\n")
