@@ -9,7 +9,8 @@ step 2's training metrics computed without an update.
 - ``precomputed`` (one pass before training, then a lookup by record key) logs what ``copy`` (a second model run
   every step) logs, training and eval lines alike;
 - a second run with the same data, model and settings reads the cache instead of computing it, and trains the same;
-- a pair id that names two different pairs is refused in one line."""
+- a pair id that names two different pairs is refused in one line;
+- the stand-alone evaluation of a saved LoRA policy (its base the reference) gives the run's own last evaluation."""
 
 from __future__ import annotations
 
@@ -18,10 +19,13 @@ import math
 
 import pytest
 
+from mvp_engine.engine.config import ConfigError
+from mvp_engine.engine.evaluate import evaluate
 from mvp_engine.engine.preference import METRICS
 from mvp_engine.engine.testkit.launch import read_metrics, read_summary
 from mvp_engine.engine.testkit.preference import BAD_PAIRS, good_pairs
 from mvp_engine.engine.testkit.runs import train
+from mvp_engine.engine.testkit.structure import compose_config, load_recipe
 
 BASE = ["+packing=greedy", "train.objective=dpo", "train.epochs=2", "data.max_seq_len=160", "train.warmup_ratio=0",
         "data.max_bad_fraction=0.5", "train.log_every=1", "dpo.beta=0.5", "dpo.label_smoothing=0.1",
@@ -118,3 +122,22 @@ def test_precomputed_on_two_ranks(runs, tmp_path, pairs_file):
     for key, entry in one.items():
         assert two[key][0] == entry[0] and two[key][3:] == entry[3:]  # content digest, token counts
         assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(two[key][1:3], entry[1:3])), key
+
+
+def test_evaluate_entry_on_a_saved_lora_policy(tmp_path, pairs_file):
+    data = [f"data.sources=[{pairs_file}]", f"data.eval_sources=[{pairs_file}]", f"data.cache_dir={tmp_path}"]
+    lora = ["model.lora.r=4", "train.learning_rate=0.05"]
+    train("llava", tmp_path / "run", [*BASE, *data, *lora])
+    last = read_summary(tmp_path / "run")["eval"]
+    assert last["eval_rewards/margin"] != 0
+
+    def stand_alone(*extra):
+        cfg = compose_config("llava", ["+packing=greedy", "train.objective=dpo", "data.max_seq_len=160",
+                                       "data.max_bad_fraction=0.5", "dpo.beta=0.5", "dpo.label_smoothing=0.1",
+                                       f"model.pretrained={tmp_path / 'run' / 'model'}", *data[1:],
+                                       f"train.output_dir={tmp_path / 'eval'}", *extra])
+        return evaluate(cfg, load_recipe("llava"))
+
+    _close(stand_alone("train.micro_batch_size=2"), last, [*EVAL_METRICS, "eval_pairs"])
+    with pytest.raises(ConfigError, match="^evaluate: dpo.reference=copy has no reference for a saved policy"):
+        stand_alone("dpo.reference=copy")

@@ -43,7 +43,7 @@ from .launch import build_accelerator, use_deterministic
 from .model_folder import check_model_folder
 from .parallel import ParallelLayout, build_layout, parallelize, plan_layout
 from .participation import ParameterReport, media_kinds
-from .preference import build_objective, eval_pairs, pair_dataset, preference_spec
+from .preference import build_objective, eval_pairs, pair_dataset, preference_spec, settle_layout
 from .recipe import Recipe
 from .router_balance import build_router_balance
 from .row_widths import run_collator
@@ -144,7 +144,7 @@ def _plan(cfg: DictConfig, recipe: Recipe, specs: RunSpecs, world_size: int) -> 
 
 def _assemble(cfg: DictConfig, recipe: Recipe, specs: RunSpecs, purpose: str) -> Run:
     training, train = purpose == "train", specs.train
-    preference = preference_spec(cfg, specs) if training else None  # train.objective=dpo
+    preference = preference_spec(cfg, specs, training)  # train.objective=dpo
     accelerator, output_dir = _start(specs, training)
     layout = build_layout(accelerator, train.context_parallel_size, specs.data.packing is not None,
                           train.dist_timeout_s)
@@ -163,6 +163,8 @@ def _assemble(cfg: DictConfig, recipe: Recipe, specs: RunSpecs, purpose: str) ->
         check_checkpoint_fits(resume_from, model, specs.model.lora.enabled)
     if not training:
         model = model.to(accelerator.device)
+        if preference is not None:  # held-out pairs of a saved policy: laid out as its training run laid them
+            settle_layout(preference, model, specs.attention, accelerator.print)
     # MoE routers hooked before parallelize wraps the model (the hooks stay on the modules FSDP2 / DDP keep)
     routers = recipe.moe_routers(model) if training and recipe.moe_routers is not None else None
     balance = build_router_balance(routers, train.router_aux_loss_coef if training else None,
