@@ -232,12 +232,18 @@ def pair_means(totals: torch.Tensor) -> dict[str, float]:
 # --- a run's parts under train.objective=dpo (run.py) ----------------------------------------------------------
 
 
-def preference_spec(cfg, specs: RunSpecs) -> PreferenceSpec | None:
+def preference_spec(cfg, specs: RunSpecs, training: bool = True) -> PreferenceSpec | None:
     """The validated ``dpo.*`` of a run whose ``train.objective`` is dpo (None under sft); one line for what such a
-    run cannot do yet: unpacked pairs, context parallelism."""
+    run cannot do yet: unpacked pairs, context parallelism; and, evaluating a saved policy (``training`` False), a
+    reference that would be the policy itself (``copy``) or is made by a training run (``precomputed``)."""
     spec = specs.dpo
     if spec is None:
         return None
+    if not training and spec.needs_reference and spec.reference != "adapters_off":
+        raise ConfigError(f"evaluate: dpo.reference={spec.reference} has no reference for a saved policy (a copy "
+                          "would be the policy itself; precomputed log-probs come from a training run's initial "
+                          "model): use dpo.reference=adapters_off with a LoRA adapter folder (its base is the "
+                          "reference), or dpo.loss_type=simpo")
     if specs.data.packing is None:
         raise ConfigError("train.objective=dpo packs each pair as one item: add +packing=greedy (or bfd)")
     if specs.train.context_parallel_size != 1:
@@ -287,11 +293,16 @@ def pair_dataset(specs: RunSpecs, spec: PreferenceSpec, encoder, build: Callable
     """The run's dataset over its pairs: ``build(encoder, records)`` (``run.build_run_dataset``) with the recipe's
     encoder wrapped in a :class:`PairEncoder`, the prefix duplicated where ``model`` cannot share it (said through
     ``announce``; the eval pairs and the reference pass then take the same layout)."""
-    obstacle = prefix_obstacle(model, specs.attention) if spec.shared_prefix else None
+    settle_layout(spec, model, specs.attention, announce)
+    return pairs_dataset(specs.data, PairEncoder(encoder, spec.shared_prefix), build)
+
+
+def settle_layout(spec: PreferenceSpec, model, attention: str, announce: Callable[[str], None] = print) -> None:
+    """``dpo.shared_prefix`` off (said through ``announce``) where ``model`` on ``attention`` cannot share it."""
+    obstacle = prefix_obstacle(model, attention) if spec.shared_prefix else None
     if obstacle is not None:
         spec.shared_prefix = False
         announce(f"dpo: each pair's prefix duplicated per answer ({obstacle})")
-    return pairs_dataset(specs.data, PairEncoder(encoder, spec.shared_prefix), build)
 
 
 def eval_pairs(spec: PreferenceSpec, encoder) -> Callable:
