@@ -3,19 +3,22 @@ dispatched all-to-all, with the load-balancing loss on: under FSDP2, from a pret
 accumulation 2 trains (losses, aux loss, grad norms, expert load, gathered final weights) and its mid-run checkpoint
 resumes the rest of the run exactly (each EP rank's expert slices under their own checkpoint keys); so does CP 2 x EP 2
 on 4 ranks under FSDP2 (2 replicas of each expert slice, their gradients reduced between them); under DDP with CP 2 on
-2 ranks it trains what one process trains; the refusals, one line each. (qwen3_vl_moe and glm4v_moe: EP 2 in their
-``test_distributed.py``.)"""
+2 ranks it trains what one process trains; the refusals, one line each; the final save of split experts writes what
+a save without them writes (in process, on qwen3_vl_moe, whose experts' reverse conversion depends on the model's
+shapes). (qwen3_vl_moe and glm4v_moe: EP 2 in their ``test_distributed.py``.)"""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 import mvp_engine.engine.testing as kit
 from mvp_engine.engine.checkpoint import CHECKPOINTS
 from mvp_engine.engine.config import ConfigError
-from mvp_engine.engine.expert_parallel import check_expert_parallel
+from mvp_engine.engine.expert_parallel import SPLIT_NAMES, check_expert_parallel, expert_modules, saved_whole
 
 RECIPE = "qwen3_5_moe"
 COMMON = ("+packing=greedy", "data.shuffle=false", "data.max_seq_len=160", "train.epochs=2",
@@ -118,3 +121,25 @@ def test_experts_split_over_the_context_parallel_ranks_train_what_one_process_tr
                                    overrides=("train.router_aux_loss_coef=0.01",),
                                    split_overrides=("train.expert_parallel_size=2",
                                                     "train.activation_checkpointing=true")))
+
+
+def test_the_save_of_split_experts_writes_what_a_save_without_them_writes(tmp_path):
+    """Qwen3-VL-MoE's experts carry a reverse weight conversion that transposes a saved tensor whose shape is not the
+    model parameter's: saved against EP rank 0's slices (as a split run holds them, ``split_experts``), the whole
+    weights came out transposed; inside ``saved_whole`` the file is the unsplit model's, tensor for tensor."""
+    model = kit.load_recipe("qwen3_vl_moe").build_model(kit.compose_config("qwen3_vl_moe").model, "sdpa")
+    whole = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    model.save_pretrained(tmp_path / "unsplit")
+    for _, module in expert_modules(model):
+        for name in ("gate_up_proj", "down_proj"):
+            setattr(module, name, torch.nn.Parameter(getattr(module, name).detach()[:module.num_experts // 2]))
+        setattr(module, SPLIT_NAMES, ("gate_up_proj", "down_proj"))
+    sliced = {name: model.get_parameter(name) for name in whole if ".experts." in name}
+    model.save_pretrained(tmp_path / "sliced", state_dict=whole)
+    with saved_whole(model, whole):
+        model.save_pretrained(tmp_path / "whole", state_dict=whole)
+    unsplit, bare, inside = (load_file(tmp_path / folder / "model.safetensors")
+                             for folder in ("unsplit", "sliced", "whole"))
+    assert any(bare[name].shape != unsplit[name].shape for name in sliced)  # the trap, as transformers 5.24 has it
+    assert inside.keys() == unsplit.keys() and all(torch.equal(inside[k], unsplit[k]) for k in unsplit)
+    assert all(model.get_parameter(name) is param for name, param in sliced.items())  # the slices are back
