@@ -10,7 +10,9 @@ not know, and DCP reshards on load, so a checkpoint resumes under another world 
 Beside the DCP files: the scheduler and fp16's loss scaler (inside the DCP state, written once), every rank's RNG states
 (``rng_<rank>.pt``: python, numpy, torch, CUDA) and :class:`RunState` in ``trainer_state.json``: step, epoch,
 optimizer steps done in that epoch, the accounting totals and the losses so far. The position is counted by the
-trainer itself, in optimizer steps, never read back from the dataset (DataLoader workers keep their own copies).
+trainer itself, in optimizer steps, never read back from the dataset (DataLoader workers keep their own copies);
+a stream (``data.streaming``), which no step count can replay, adds its state (``RunState.data``: cursors, the
+buffered records' keys, RNG states), handed to the trainer with the batch that ends each step.
 Packs are assigned to steps before ranks (``dataset.py``), so a step count means the same packs under any split of
 the same global batch: :meth:`RunState.check_resume` allows another world size when the global batch is unchanged.
 A rank that did not exist in the checkpoint takes rank 0's RNG states, which is what every rank starts from in a
@@ -72,6 +74,9 @@ class RunState:
     gradient_accumulation_steps: int = 1
     # what the run is (run_identity.py): a resume by another run refuses; None in checkpoints written before it
     identity: dict | None = None
+    # the dataset's own state where a step count does not say where the data is: a stream's cursors, buffered
+    # records' keys and RNG states after the last step (data.streaming, kit stream.py); None for indexed data
+    data: dict | None = None
 
     def accounting(self) -> TokenAccounting:
         counts = {k: v for k, v in self.totals.items() if k in TokenAccounting._counts()}

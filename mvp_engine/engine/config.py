@@ -21,7 +21,14 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from transformers import SchedulerType
 
-from mvp_engine.kit.mllm.data import MLLMDataSpec, MLLMPackingAssembler, MLLMPackingSpec, MLLMRecordError, source_kind
+from mvp_engine.kit.mllm.data import (
+    MLLMDataSpec,
+    MLLMPackingAssembler,
+    MLLMPackingSpec,
+    MLLMRecordError,
+    source_kind,
+    stream_packing_problem,
+)
 from mvp_engine.packing import ATTENTION_BACKENDS, BACKENDS, FLASH_BACKENDS, SDPA_VARLEN
 
 from . import run_dir  # noqa: F401  (registers the ${run_stamp:...} resolver the configs use)
@@ -44,8 +51,9 @@ AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 HALF_DTYPES = tuple(AUTOCAST_DTYPES.values())  # what flash attention kernels compute in
 SHARDINGS = ("none", "fsdp2")  # train.sharding (mvp_engine.engine.sharding)
 # train.offload: params puts FSDP2's shards, their gradients and the optimizer state built over them on the host
-# (torch's CPUOffloadPolicy, sharding.py)
-OFFLOADS = ("none", "params")
+# (torch's CPUOffloadPolicy, sharding.py); optimizer keeps AdamW's state and update on the host, the parameters and
+# gradients on the device (host_optimizer.py)
+OFFLOADS = ("none", "params", "optimizer")
 # model.quantization: the base's linear layers in 4-bit NF4 or 8-bit (bitsandbytes) under LoRA adapters (quantize.py)
 QUANTIZATIONS = ("none", "nf4", "int8")
 OBJECTIVES = ("sft", "dpo")  # train.objective: dpo trains on preference pairs (preference.py)
@@ -66,6 +74,9 @@ class TrainSpec:
     library (``conf/train/default.yaml`` only adds the Hydra run directory as ``output_dir``)."""
 
     epochs: int = 3
+    # optimizer steps of a stream-mode run (data.streaming=true), which has no epochs to plan from; 0: none (an
+    # indexed run's steps are planned from epochs)
+    max_steps: int = 0
     micro_batch_size: int = 4
     gradient_accumulation_steps: int = 1
     learning_rate: float = 2e-3
@@ -104,8 +115,8 @@ class TrainSpec:
     # last of each step only (one reduce-scatter per step; each rank keeps its units' unsharded fp32 gradients
     # until then); DDP syncs after the last either way (train_step.py)
     grad_sync: str = "every"
-    # FSDP2: none, or params: shards, gradients and optimizer state on the host, each unit copied to the device
-    # for its forward and backward (CPUOffloadPolicy; OFFLOADS)
+    # none; params (FSDP2): shards, gradients and optimizer state on the host, each unit copied to the device for
+    # its forward and backward (CPUOffloadPolicy); optimizer: AdamW's state and update on the host (OFFLOADS)
     offload: str = "none"
     # mixture-of-experts models (router_balance.py): the load-balancing loss's coefficient (null: the model config's
     # where its own aux loss is on, else 0) and over what its expert fractions are counted: the whole optimizer step
@@ -123,7 +134,7 @@ class TrainSpec:
                      "context_parallel_size", "expert_parallel_size", "dist_timeout_s", "loss_chunk_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"train.{name}={getattr(self, name)!r} is invalid: allowed an int >= 1")
-        for name in ("save_every_steps", "seed", "eval_every_steps"):
+        for name in ("save_every_steps", "seed", "eval_every_steps", "max_steps"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ConfigError(f"train.{name}={getattr(self, name)!r} is invalid: allowed an int >= 0")
         if self.loss_reduction not in REDUCTIONS:
@@ -174,7 +185,7 @@ class TrainSpec:
             raise ConfigError(f"train.grad_sync={self.grad_sync!r} is invalid: allowed one of {list(GRAD_SYNCS)}")
         if self.offload not in OFFLOADS:
             raise ConfigError(f"train.offload={self.offload!r} is invalid: allowed one of {list(OFFLOADS)}")
-        if self.offload != "none" and self.sharding != "fsdp2":
+        if self.offload == "params" and self.sharding != "fsdp2":
             raise ConfigError(f"train.offload={self.offload!r} offloads FSDP2's shards: set train.sharding=fsdp2")
         coef = self.router_aux_loss_coef
         if coef is not None and (isinstance(coef, bool) or not isinstance(coef, (int, float)) or coef < 0):
@@ -520,6 +531,7 @@ def resolve_run_specs(cfg: DictConfig, supported_attention: tuple[str, ...]) -> 
         except MLLMRecordError as err:
             raise ConfigError(f"data.eval_sources: {err}") from None
     train, model = train_spec(cfg), model_spec(cfg.get("model"))
+    check_stream_mode(data, train)
     train.mixed_precision = resolve_mixed_precision(train.mixed_precision)
     dtype = compute_dtype(train.mixed_precision, model.dtype)
     attention, why = choose_attention(str(cfg.attention.implementation), supported_attention, packing is not None,
@@ -529,6 +541,26 @@ def resolve_run_specs(cfg: DictConfig, supported_attention: tuple[str, ...]) -> 
     if train.objective == "dpo":
         dpo = _to_object(cfg.dpo, PreferenceSpec, "dpo") if cfg.get("dpo") is not None else PreferenceSpec()
     return RunSpecs(data=data, demo=demo, train=train, attention=attention, model=model, attention_why=why, dpo=dpo)
+
+
+def check_stream_mode(data: MLLMDataSpec, train: TrainSpec) -> None:
+    """``data.streaming=true`` needs the run's length (``train.max_steps``: a stream has no epochs to plan from) and
+    greedy packing; ``train.max_steps`` means nothing to an indexed run, whose steps are planned from its epochs."""
+    if not data.streaming:
+        if train.max_steps:
+            raise ConfigError(f"train.max_steps={train.max_steps} applies to data.streaming=true only: an indexed "
+                              "run's steps are planned exactly from train.epochs (tools/estimate_steps.py prints them)")
+        return
+    if not train.max_steps:
+        raise ConfigError("train.max_steps is required with data.streaming=true: a stream is read in order, not "
+                          "indexed, so no step count can be planned from train.epochs; set train.max_steps=N "
+                          "(optimizer steps)")
+    problem = stream_packing_problem(data.packing)
+    if problem:
+        raise ConfigError(problem)
+    if train.objective != "sft":
+        raise ConfigError(f"train.objective={train.objective!r} reads preference pairs from indexed sources: "
+                          "data.streaming=true trains train.objective=sft")
 
 
 register_configs()

@@ -190,7 +190,8 @@ def _assemble(cfg: DictConfig, recipe: Recipe, specs: RunSpecs, purpose: str) ->
                          run.dummy_media, train, run.media_kinds, layout.shard, balance,
                          build_objective(preference, model, accelerator.device) if preference is not None else None)
     if training:
-        run.total_steps = run.dataset.estimate_total_steps(train.epochs)
+        # a stream (data.streaming) is read in order, not planned: its length is train.max_steps by construction
+        run.total_steps = train.max_steps if specs.data.streaming else run.dataset.estimate_total_steps(train.epochs)
         refuse_without_steps(run.dataset, run.total_steps)
     run.evaluator = build_evaluator(specs, accelerator, encoder, run.collator, run.step, layout,
                                     eval_pairs(preference, encoder) if preference is not None else None)
@@ -254,4 +255,4 @@ def build_run_dataset(specs: RunSpecs, encoder: MLLMSampleEncoder, cost_profile:
                                      drop_last=train.drop_last, records=records,
                                      micro_batch_size=train.micro_batch_size,
                                      gradient_accumulation_steps=train.gradient_accumulation_steps,
-                                     cost_profile=cost_profile)
+                                     cost_profile=cost_profile, max_steps=train.max_steps)

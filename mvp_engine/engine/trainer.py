@@ -87,6 +87,17 @@ class Progress:
         for name, tally in sources.items():
             self.sources.setdefault(name, SourceTally()).add_planned(tally)
 
+    def stream_position(self, data: dict, ledger: RecordLedger, tallies: list[SourceTally], names: list[str]) -> None:
+        """Stream mode, before a step is recorded: the stream's state after it, and what the stream has read,
+        dropped and truncated so far (its one ledger; per source), counted as they happen rather than planned."""
+        self.state.data = data
+        current = self.ledgers[-1]
+        current.records_read, current.dropped, current.truncated = ledger.records_read, ledger.dropped, ledger.truncated
+        self.totals.dropped = Counter(ledger.dropped)
+        for name, tally in zip(names, tallies, strict=True):
+            kept = self.sources.setdefault(name, SourceTally())
+            kept.records, kept.dropped = tally.records, tally.dropped
+
     def record_step(self, loss: float, counts: TokenAccounting, epoch_steps: int,
                     sources: dict[str, list[int]]) -> None:
         """``sources``: the step's samples, effective and supervised tokens per source, summed over ranks."""
@@ -138,6 +149,15 @@ class Trainer:
     def bad_records_path(self) -> Path:
         return self.files.bad_records
 
+    @property
+    def streaming(self) -> bool:
+        return self.specs.data.streaming
+
+    @property
+    def _epochs(self) -> int:
+        """A stream (``data.streaming``) is one epoch of ``train.max_steps`` steps; indexed data ``train.epochs``."""
+        return 1 if self.streaming else self.specs.train.epochs
+
     # --- the run: start, epochs, finish --------------------------------------------------------------------------
 
     def run(self) -> dict:
@@ -154,7 +174,7 @@ class Trainer:
                                run_config(self.recipe.name, self.specs, self.cfg))
         with self._step_log(progress.state, trackers) as log, PreemptionWatch() as preemption:
             session = Session(model, optimizer, scheduler, checkpointer, progress, log, preemption, Throughput())
-            while progress.state.epoch < self.specs.train.epochs and progress.stopped_by is None:
+            while progress.state.epoch < self._epochs and progress.stopped_by is None:
                 self._train_epoch(session)
             if progress.stopped_by is None:
                 self._evaluate_at_end(session)
@@ -200,6 +220,8 @@ class Trainer:
             return RunState(world_size=world_size, micro_batch_size=micro_batch_size,
                             gradient_accumulation_steps=accumulation, identity=self.parts.identity)
         state = checkpointer.load(self.resume_from)
+        if self.streaming:  # where the stream is: cursors, buffered keys, RNG (a step count cannot replay a stream)
+            self.dataset.load_state_dict(state.data)
         if self.accelerator.is_main_process:
             print(f"resumed from {self.resume_from}: step {state.step}, epoch {state.epoch}, "
                   f"{state.epoch_steps_done} steps into it (saved under world_size {state.world_size} x micro-batch "
@@ -254,7 +276,7 @@ class Trainer:
             names = [source.name for source in self.dataset.sources]
             progress.start_epoch(self.dataset.epoch_ledger(epoch=epoch),
                                  dict(zip(names, self.dataset.epoch_sources(epoch=epoch))))
-            if self.accelerator.is_main_process:
+            if self.accelerator.is_main_process and not self.streaming:  # a stream's drops are counted as read
                 self.files.list_dropped_records(self.dataset, epoch=epoch)
         epoch_steps = self._epoch_steps(epoch)
         if epoch_steps == 0:  # a mixture's draw can leave one epoch without a pack: nothing to train in it
@@ -263,12 +285,16 @@ class Trainer:
             return
         rank_packs_done = state.epoch_steps_done * train.gradient_accumulation_steps * train.micro_batch_size
         for group in step_groups(self._loader(epoch, rank_packs_done), train.gradient_accumulation_steps):
+            data_state = self._stream_state(group)
             # one collective at every step boundary, before the step: a stop signal on any rank, and the samples
             # decoding faults took out of this step's packs on every rank
             progress.stopped_by = self._step_boundary(group, session.preemption, progress)
             if progress.stopped_by:
                 session.checkpointer.save(state)
                 return
+            if data_state is not None:  # the checkpoint after this step resumes the stream from there
+                progress.stream_position(data_state, *self.dataset.ledger(data_state),
+                                         [source.name for source in self.dataset.sources])
             self._step(session, group, epoch, epoch_steps)
             if self.evaluator is not None and self.evaluator.due(state.step):  # before a checkpoint of this step
                 self._evaluate(session, epoch)
@@ -278,8 +304,19 @@ class Trainer:
             raise RuntimeError(f"epoch {epoch} ended after {state.epoch_steps_done} of its {epoch_steps} planned "
                                "optimizer steps: the data loader gave fewer packs than the plan holds")
 
+    def _stream_state(self, group: list[dict]) -> dict | None:
+        """Stream mode: the stream's state after this step (on the batch that ends it), and the records read so
+        far as the bad-record fraction's denominator. None for indexed data."""
+        states = [state for batch in group if (state := batch.pop("data_state", None)) is not None]
+        if not states:
+            return None
+        self.bad_records.records_read = sum(states[-1]["read"])
+        return states[-1]
+
     def _epoch_steps(self, epoch: int) -> int:
         train = self.specs.train
+        if self.streaming:
+            return self.total_steps
         return estimate_total_steps([len(self.dataset.plan(epoch).packs)], train.micro_batch_size,
                                     train.gradient_accumulation_steps, self.layout.dp_size, train.drop_last)
 

@@ -318,13 +318,19 @@ class MLLMStreamDataset(IterableDataset):
 
     def ledger(self, state: dict | None) -> tuple[RecordLedger, list[SourceTally]]:
         """What the stream has read, dropped and truncated up to ``state`` (a state the iteration handed out), as
-        the run's ledger and per-source tallies count it; bad records are counted by the trainer as they arrive."""
+        the run's ledger and per-source tallies count it; bad records are counted by the trainer as they arrive.
+        A record counts as read once its fate is known: those still held (buffered, in open or unserved packs) and
+        bad ones not yet handed to the trainer are left out until then, so the ledger reconciles at every step."""
         tallies = [SourceTally() for _ in self.sources]
         ledger = RecordLedger(epoch=0, records_read=0)
         if state is not None:
-            for tally, read, dropped in zip(tallies, state["read"], state["dropped"]):
-                tally.records, tally.dropped = read, Counter(dropped)
-            ledger.records_read = sum(state["read"])
+            held = [*state["buffer"], *(e for pack in state["open"] for e in pack),
+                    *(e for pack, _ in state["ready"] for e in pack)]
+            waiting = [*state["pending_bad"], *(b for _, bad in state["ready"] for b in bad)]
+            unsettled = Counter([entry[0][0] for entry in held] + [b["source"] for b in waiting])
+            for source, (tally, read, dropped) in enumerate(zip(tallies, state["read"], state["dropped"])):
+                tally.records, tally.dropped = read - unsettled[source], Counter(dropped)
+            ledger.records_read = sum(t.records for t in tallies)
             ledger.dropped = sum((t.dropped for t in tallies), Counter())
             ledger.truncated = state["truncated"]
         return ledger, tallies

@@ -1,0 +1,174 @@
+"""The stream mode (``data.streaming=true``, kit ``stream.py``): data read in order, packed from a seeded buffer,
+resumed from cursors and buffered keys on any split of the same global batch.
+
+In-process, at the dataset (fake encoder, no model): the packs of 2 ranks x accumulation 1, interleaved, are the
+packs of 1 rank x accumulation 2; a state handed out after a step, through JSON, starts a dataset on the other
+world size at exactly the packs the uninterrupted one trains next; sources are a ``datasets`` IterableDataset over
+a local JSONL file (``load_dataset(..., streaming=True)``) and a plain list, mixed, read past their end (a second
+pass); bad records are named by origin, once per read. The refusals: no ``train.max_steps``, or a packing that
+cannot pack a stream.
+
+Real trainings (llava, slow): one uninterrupted reference (1 rank x accumulation 2, a checkpoint after every step)
+that every check shares: it trains exactly ``train.max_steps`` steps with bad records counted and named; a
+SIGKILLed run resumed with ``train.resume_from=auto`` logs exactly its metrics; a 2-rank run trains the same samples
+(loss within 1e-5) and its mid-run checkpoint resumes on 1 rank x accumulation 2 with the reference's next steps.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mvp_engine.engine.testing as kit
+from mvp_engine.engine.checkpoint import CHECKPOINTS, load_run_state
+from mvp_engine.kit.mllm.data import IterableStream, MLLMDataSpec, MLLMPackingSpec, MLLMStreamDataset
+from tests.fakes import FakeEncoder
+from tests.test_elastic import assert_same_training
+from tests.test_resume import kill_tree, wait_for
+
+RECIPE = "llava"
+STEPS = 10
+
+
+# --- the dataset, in-process ------------------------------------------------------------------------------------
+
+
+def raw_records(count: int, seed: int) -> list[dict]:
+    """Fake-encoder records (``"<length> <media>"``) of varied lengths; every 7th one is not a record at all."""
+    lengths = np.random.default_rng(seed).integers(4, 40, count).tolist()
+    return [{"id": f"r{i}", "bogus": True} if i % 7 == 3 else
+            {"id": f"r{i}", "messages": [{"role": "user", "content": f"{n} 0"}, {"role": "assistant", "content": "ok"}]}
+            for i, n in enumerate(lengths)]
+
+
+@pytest.fixture(scope="module")
+def hf_jsonl(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("stream") / "records.jsonl"
+    path.write_text("".join(json.dumps(raw) + "\n" for raw in raw_records(23, seed=1)))
+    return path
+
+
+def stream_dataset(hf_jsonl: Path, world_size: int, rank: int, accumulation: int, state: dict | None = None):
+    import datasets
+
+    hf = datasets.load_dataset("json", data_files=str(hf_jsonl), split="train", streaming=True)
+    streams = [IterableStream("hf", hf, str(hf_jsonl.parent)), IterableStream("list", raw_records(13, seed=2), "/")]
+    spec = MLLMDataSpec(packing=MLLMPackingSpec(max_seq_len=64, buffer_size=6, max_open_packs=3, seed=5))
+    dataset = MLLMStreamDataset(spec, FakeEncoder(), 12, rank=rank, world_size=world_size,
+                                gradient_accumulation_steps=accumulation, streams=streams)
+    dataset.load_state_dict(state)
+    return dataset
+
+
+def test_a_stream_state_resumes_on_another_world_size_with_the_packs_the_run_trains_next(hf_jsonl):
+    reference = list(stream_dataset(hf_jsonl, 1, 0, 2))  # 12 steps x 2 packs
+    ranks = [list(stream_dataset(hf_jsonl, 2, rank, 1)) for rank in range(2)]
+    assert [p["sample_ids"] for pair in zip(*ranks) for p in pair] == [p["sample_ids"] for p in reference]
+    states = [pack["data_state"] for pack in ranks[0] if "data_state" in pack]
+    assert len(states) == 12 and all(state["packs"] == 2 * (s + 1) for s, state in enumerate(states))
+    state = json.loads(json.dumps(states[4]))  # after step 5: keys, cursors and RNG states, no record
+    assert state["buffer"] and all(len(entry) == 4 for entry in state["buffer"])
+    assert max(cursor[0] for cursor in states[-1]["cursors"]) >= 1, "a source was read past its end"
+    resumed = list(stream_dataset(hf_jsonl, 1, 0, 2, state))
+    assert [p["sample_ids"] for p in resumed] == [p["sample_ids"] for p in reference[10:]]
+    assert all(np.array_equal(a["input_ids"], b["input_ids"]) for a, b in zip(resumed, reference[10:]))
+    last = states[-1]  # bad records found after the last pack served wait in the state for the next pack
+    bad = [b["origin"] for p in reference for b in p["bad_records"]] + \
+        [b["origin"] for b in last["pending_bad"]] + [b["origin"] for _, found in last["ready"] for b in found]
+    read = {"hf": last["read"][0], "list": last["read"][1]}
+    # every read of a bad record is named once, by its source and row; a second pass reads them again
+    assert sorted(bad) == sorted(f"{name}#{i + 1}" for name, count in (("hf", 23), ("list", 13))
+                                 for n in range(read[name]) if (i := n % count) % 7 == 3)
+    assert [b["origin"] for p in resumed for b in p["bad_records"]] == \
+        [b["origin"] for p in reference[10:] for b in p["bad_records"]]
+
+
+@pytest.mark.parametrize("overrides,line", [
+    ((), "config error: train.max_steps is required with data.streaming=true"),
+    (("train.max_steps=3", "+packing=bfd"), "config error: data.streaming=true packs greedily from its shuffle "
+                                            "buffer: use +packing=greedy"),
+])
+def test_a_stream_mode_run_without_max_steps_or_greedy_packing_is_refused_in_one_line(tmp_path, overrides, line):
+    data = kit.shared_mixed_jsonl()
+    result = kit.train(RECIPE, tmp_path, [f"data.sources=[{data}]", "data.streaming=true", *overrides], check=False)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(line), result.stderr[-3000:]
+
+
+# --- real trainings ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    """25 mixed records, then an invalid JSON line and a record naming a missing image."""
+    path = kit.write_mixed_jsonl(tmp_path_factory.mktemp("stream_data"), num_records=25)
+    with path.open("a") as handle:
+        handle.write('{"id": "cut", "conversations": [\n')
+        handle.write(json.dumps({"id": "lost", "image": "absent.png",
+                                 "conversations": [{"from": "human", "value": "<image>\nWhat?"},
+                                                   {"from": "gpt", "value": "Nothing."}]}) + "\n")
+    return path
+
+
+def common(data: Path, accumulation: int) -> list[str]:
+    return ["+packing=greedy", "packing.buffer_size=4", "packing.max_open_packs=2", "data.streaming=true",
+            f"data.sources=[{data}]", "data.max_seq_len=160", "data.max_bad_fraction=0.2", f"train.max_steps={STEPS}",
+            "train.micro_batch_size=1", f"train.gradient_accumulation_steps={accumulation}",
+            "train.learning_rate=5e-3", "train.warmup_ratio=0.2"]
+
+
+@pytest.fixture(scope="module")
+def reference(data, tmp_path_factory) -> Path:
+    """The uninterrupted run every check compares with: 1 rank x accumulation 2, a checkpoint after every step."""
+    run_dir = tmp_path_factory.mktemp("stream_reference")
+    kit.train(RECIPE, run_dir, [*common(data, 2), "train.save_every_steps=1", "train.keep_last=100"])
+    return run_dir
+
+
+@pytest.mark.slow
+def test_a_stream_mode_run_trains_max_steps_and_names_its_bad_records(reference):
+    summary, metrics = kit.read_summary(reference), kit.read_metrics(reference)
+    assert summary["actual_steps"] == summary["estimated_steps"] == len(metrics) == STEPS
+    assert all(m["packs"] == 2 for m in metrics)
+    bad = [json.loads(line) for line in (reference / "bad_records.jsonl").read_text().splitlines()]
+    assert {(Path(b["origin"]).name, b["reason"]) for b in bad} == {("mixed.jsonl:26", "invalid_json"),
+                                                                    ("mixed.jsonl:27", "missing_image")}
+    ledger = summary["epochs"][0]
+    assert ledger["records_read"] > 27, "the stream read its source past the end"
+    # counted per read (a second pass reads them again), listed once each
+    assert ledger["reconciles"] and set(ledger["bad"]) == {"invalid_json", "missing_image"}
+    source = summary["sources"]["mixed"]  # named by its file, as indexed sources are
+    assert source["records"] == ledger["records_read"] == source["samples"] + sum(source["bad"].values())
+    assert load_run_state(reference / CHECKPOINTS / f"step_{STEPS:08d}").data["packs"] == 2 * STEPS
+
+
+@pytest.mark.slow
+@pytest.mark.launch
+def test_sigkill_then_resume_auto_continues_the_stream_bit_exactly(reference, data, tmp_path):
+    expected = kit.read_metrics(reference)
+    overrides = [*common(data, 2), "train.save_every_steps=2", "train.keep_last=1"]
+    proc = kit.start(RECIPE, tmp_path, overrides)
+    wait_for(lambda: (tmp_path / CHECKPOINTS / "step_00000002").is_dir(), proc)
+    kill_tree(proc)
+    assert not (tmp_path / "summary.json").exists(), "the run finished before it was killed"
+    kit.train(RECIPE, tmp_path, [*overrides, "train.resume_from=auto"])
+    assert kit.read_metrics(tmp_path) == expected
+    assert kit.max_weight_difference(kit.final_weights(tmp_path), kit.final_weights(reference)) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.launch
+def test_two_ranks_resume_on_one_rank_with_accumulation_2_and_train_what_the_run_trains_next(reference, data,
+                                                                                           tmp_path):
+    expected = kit.read_metrics(reference)
+    two_ranks = tmp_path / "two_ranks"
+    kit.train(RECIPE, two_ranks, [*common(data, 1), "train.save_every_steps=1", "train.keep_last=100"], nproc=2)
+    assert_same_training(kit.read_metrics(two_ranks), expected)  # the same packs, dealt over 2 ranks
+    checkpoint = two_ranks / CHECKPOINTS / "step_00000004"
+    resumed = tmp_path / "resumed"
+    kit.train(RECIPE, resumed, [*common(data, 2), f"train.resume_from={checkpoint}"])
+    assert_same_training(kit.read_metrics(resumed), expected[4:])
+    assert kit.read_summary(resumed)["world_size"] == 1
