@@ -65,14 +65,18 @@ def test_fsdp2_syncing_on_a_step_s_last_micro_batch_trains_what_syncing_every_mi
     assert max(abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(every, last)) <= 1e-6
 
 
-def test_fsdp2_with_its_shards_offloaded_to_the_host_trains_what_one_rank_trains(tmp_path):
-    """``train.offload=params`` (FSDP2's CPUOffloadPolicy): shards, gradients and optimizer state in host memory. On
-    this CPU-only machine host and device are the same memory, so what this checks is that the policy is applied
-    (the start line says so) and that the run trains what the unsharded, non-offloaded 1-rank reference trains;
-    the copies to and from a GPU are only exercised on CUDA."""
-    out = kit.train(RECIPE, tmp_path, [*common("token"), "train.sharding=fsdp2", "train.offload=params",
+@pytest.mark.parametrize("offload", ["params", "optimizer"])
+def test_fsdp2_with_its_shards_offloaded_to_the_host_trains_what_one_rank_trains(offload, tmp_path):
+    """``train.offload=params`` (FSDP2's CPUOffloadPolicy): shards, gradients and optimizer state in host memory;
+    ``optimizer`` (``host_optimizer.HostAdamW``): AdamW's state and update on the host, shards and gradients on the
+    device. On this CPU-only machine host and device are the same memory, so what this checks is that the offload is
+    applied (params: the start line says so; optimizer: ``tests/test_sharding.py`` checks the optimizer this setting
+    builds) and that the run trains what the unsharded, non-offloaded 1-rank reference trains; the copies to and
+    from a GPU are only exercised on CUDA."""
+    out = kit.train(RECIPE, tmp_path, [*common("token"), "train.sharding=fsdp2", f"train.offload={offload}",
                                        "train.gradient_accumulation_steps=1"], nproc=2).stdout
-    assert "offloaded to host memory with their gradients and optimizer state" in out, out
+    shards_offloaded = "offloaded to host memory with their gradients and optimizer state" in out
+    assert shards_offloaded == (offload == "params"), out
     one_dir = kit.cached_run(RECIPE, [*common("token"), "train.gradient_accumulation_steps=2"])
     two, one = kit.read_metrics(tmp_path), kit.read_metrics(one_dir)
     assert max(abs(a["loss"] - b["loss"]) for a, b in zip(two, one)) <= TOLERANCES["fsdp2"]

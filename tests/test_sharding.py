@@ -6,16 +6,21 @@ pretrained folder on rank 0 alone are in every recipe's ``DistributedSuite`` (re
 
 from __future__ import annotations
 
+import copy
 import math
 from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_leaves
 
 import mvp_engine.engine.testing as kit
 from mvp_engine.engine.config import ConfigError, TrainSpec
 from mvp_engine.engine.entry import run_recipe
+from mvp_engine.engine.host_optimizer import HostAdamW
 from mvp_engine.engine.sharding import clip_grad_norm_, offloaded, shard_model
 from mvp_engine.engine.train_step import TrainStep, optimizer_and_schedule
 
@@ -145,6 +150,54 @@ def test_offloaded_shards_carry_the_host_policy_and_train_as_shards_on_the_devic
         optimizer.step()
         weights.append([p.full_tensor().detach().clone() for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*weights))
+
+
+@pytest.mark.parametrize("sharding", ["none", "fsdp2"])
+def test_an_offloaded_optimizer_steps_as_adamw_and_resumes_through_dcp(one_process_group, sharding):
+    """``train.offload=optimizer`` (``HostAdamW``): steps exactly as AdamW on whole parameters and on FSDP2 shards;
+    its state is keyed by the model's own parameters and kept beside host copies of them (never the parameters
+    themselves); its DCP state dict is AdamW's, and a fresh model and optimizer loaded from it continue as the
+    uninterrupted run. (On this CPU host and device are one memory: 2 ranks in tests/test_distributed_matrix.py.)"""
+    def build(offload):
+        torch.manual_seed(0)
+        model = _TinyLM()
+        if sharding == "fsdp2":
+            model = shard_model(model, "no", init_device_mesh("cpu", (1,)))
+        train = TrainSpec(sharding=sharding, offload=offload, learning_rate=0.1, weight_decay=0.01,
+                          warmup_ratio=0.0)
+        return model, optimizer_and_schedule(model, train, 4)[0]
+
+    def steps(model, optimizer, seeds):
+        for seed in seeds:
+            ids = torch.randint(0, 16, (2, 6), generator=torch.Generator().manual_seed(seed))
+            model(ids).logits.square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return [(p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for p in model.parameters()]
+
+    plain, host = build("none"), build("optimizer")
+    assert type(plain[1]) is torch.optim.AdamW and isinstance(host[1], HostAdamW)
+    initial = steps(*plain, [])
+    trained = steps(*plain, [0, 1])
+    assert not any(torch.equal(a, b) for a, b in zip(initial, trained))
+    assert all(torch.equal(a, b) for a, b in zip(trained, steps(*host, [0, 1])))
+    model, optimizer = host
+    trained = [p for p in model.parameters() if p.requires_grad]
+    assert list(optimizer.state) == trained and list(optimizer.param_groups[0]["params"]) == trained
+    for p in trained:
+        assert optimizer.host[p] is not p and set(optimizer.state[p]) == {"step", "exp_avg", "exp_avg_sq"}
+        assert isinstance(optimizer.state[p]["exp_avg"], DTensor) == (sharding == "fsdp2")
+    saved = {name: get_state_dict(*pair) for name, pair in (("plain", plain), ("host", host))}
+    for a, b in zip(tree_leaves(saved["plain"][1]), tree_leaves(saved["host"][1])):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+    fresh = build("optimizer")
+    set_state_dict(*fresh, model_state_dict=copy.deepcopy(saved["host"][0]),
+                   optim_state_dict=copy.deepcopy(saved["host"][1]))
+    assert all(not isinstance(v, torch.Tensor) or v.device.type == "cpu"
+               for state in fresh[1].state.values() for v in state.values())
+    expected = steps(*plain, [2])
+    assert all(torch.equal(a, b) and torch.equal(a, c)
+               for a, b, c in zip(expected, steps(*host, [2]), steps(*fresh, [2])))
 
 
 def test_offload_without_fsdp2_is_refused_with_one_line():

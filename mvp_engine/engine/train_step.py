@@ -20,6 +20,7 @@ from mvp_engine.packing import SequenceShard
 
 from .config import TrainSpec
 from .grad_buckets import all_reduce_mean
+from .host_optimizer import HostAdamW
 from .linear_loss import HeadInputs
 from .loss import WeightedTokenLoss, token_weights, weighted_token_loss
 from .parallel import sequence_parallel_forward
@@ -29,9 +30,11 @@ from .sharding import clip_grad_norm_, is_sharded
 
 
 def optimizer_and_schedule(model, train: TrainSpec, total_steps: int):
-    """AdamW over the trainable parameters and the configured schedule over ``total_steps`` optimizer steps."""
+    """AdamW over the trainable parameters (its state and update on the host under ``train.offload=optimizer``:
+    ``host_optimizer.py``) and the configured schedule over ``total_steps`` optimizer steps."""
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=train.learning_rate, weight_decay=train.weight_decay)
+    adamw = HostAdamW if train.offload == "optimizer" else torch.optim.AdamW
+    optimizer = adamw(trainable, lr=train.learning_rate, weight_decay=train.weight_decay)
     scheduler = get_scheduler(train.lr_scheduler, optimizer,
                               num_warmup_steps=math.ceil(train.warmup_ratio * total_steps),
                               num_training_steps=max(1, total_steps))
