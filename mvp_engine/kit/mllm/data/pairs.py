@@ -19,8 +19,9 @@ prefix and itself causally, never the other continuation.
 
 ``shared_prefix=False`` lays both conversations out whole, the media twice (``MLLMSample.parts``: a pack gives each
 its own segment, branch 1 and branch 2 throughout): the duplicated prefix, for models and backends that cannot keep
-two continuations of one segment apart (a recurrent state, a position-indexed sliding window, varlen kernels) and the
-baseline the shared layout is measured against. The planner still sees one item of the two lengths summed.
+two continuations of one segment apart (a recurrent state, a position-indexed sliding window, flash's one causal span
+per segment; ``sdpa_varlen`` shares the prefix on the CPU, ``mvp_engine.packing.prefix_attention``) and the baseline
+the shared layout is measured against. The planner still sees one item of the two lengths summed.
 
 Labels: only the final answer of each conversation is supervised (earlier assistant turns belong to the prompt).
 """
