@@ -5,8 +5,8 @@ In-process, at the dataset (fake encoder, no model): the packs of 2 ranks x accu
 packs of 1 rank x accumulation 2; a state handed out after a step, through JSON, starts a dataset on the other
 world size at exactly the packs the uninterrupted one trains next; sources are a ``datasets`` IterableDataset over
 a local JSONL file (``load_dataset(..., streaming=True)``) and a plain list, mixed, read past their end (a second
-pass); bad records are named by origin, once per read. The refusals: no ``train.max_steps``, or a packing that
-cannot pack a stream.
+pass), in the main process and in DataLoader workers alike; bad records are named by origin, once per read. The
+refusals: no ``train.max_steps``, or a packing that cannot pack a stream.
 
 Real trainings (llava, slow): one uninterrupted reference (1 rank x accumulation 2, a checkpoint after every step)
 that every check shares: it trains exactly ``train.max_steps`` steps with bad records counted and named; a
@@ -21,10 +21,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from torch.utils.data import DataLoader
 
 import mvp_engine.engine.testing as kit
 from mvp_engine.engine.checkpoint import CHECKPOINTS, load_run_state
-from mvp_engine.kit.mllm.data import IterableStream, MLLMDataSpec, MLLMPackingSpec, MLLMStreamDataset
+from mvp_engine.kit.mllm.data import IterableStream, MLLMCollator, MLLMDataSpec, MLLMPackingSpec, MLLMStreamDataset
 from tests.fakes import FakeEncoder
 from tests.test_elastic import assert_same_training
 from tests.test_resume import kill_tree, wait_for
@@ -74,6 +75,10 @@ def test_a_stream_state_resumes_on_another_world_size_with_the_packs_the_run_tra
     assert max(cursor[0] for cursor in states[-1]["cursors"]) >= 1, "a source was read past its end"
     resumed = list(stream_dataset(hf_jsonl, 1, 0, 2, state))
     assert [p["sample_ids"] for p in resumed] == [p["sample_ids"] for p in reference[10:]]
+    # in DataLoader workers too: each reads the whole stream (datasets' own __iter__ would split its files)
+    loader = DataLoader(stream_dataset(hf_jsonl, 1, 0, 2, state), batch_size=1, collate_fn=MLLMCollator(0),
+                        num_workers=2)
+    assert [batch["sample_ids"][0] for batch in loader] == [p["sample_ids"] for p in resumed]
     assert all(np.array_equal(a["input_ids"], b["input_ids"]) for a, b in zip(resumed, reference[10:]))
     last = states[-1]  # bad records found after the last pack served wait in the state for the next pack
     bad = [b["origin"] for p in reference for b in p["bad_records"]] + \

@@ -21,6 +21,7 @@ as the indexed path counts its bad records).
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from itertools import islice
 from pathlib import Path
@@ -35,6 +36,7 @@ from .spec import MLLMDataSpec
 from .store import SHARD_KINDS, RecordStore, source_kind
 
 Row = MLLMRecord | MLLMRecordError
+ROWS_PER_BATCH = 256  # rows of a datasets IterableDataset decoded at once
 
 
 class RecordStream:
@@ -56,7 +58,7 @@ class IterableStream(RecordStream):
                  source_dir: str | None = None, allow_leading_assistant: bool = False,
                  media_roots: tuple[str, ...] = (), with_origins: bool = False):
         self.name = name
-        self.raws = raws if callable(raws) else (lambda: iter(raws))
+        self.raws = raws if callable(raws) else (lambda: _rows_of(raws))
         self.parse = dict(image_root=image_root, source_dir=source_dir, media_roots=tuple(media_roots),
                           allow_leading_assistant=allow_leading_assistant)
         self.with_origins = with_origins
@@ -125,13 +127,27 @@ def open_stream(entry: MLLMSource, spec: MLLMDataSpec) -> RecordStream:
         def raws():
             import datasets
 
-            return ((None, row) for row in datasets.load_dataset("parquet", data_files=str(path), split="train",
-                                                                  streaming=True))
+            rows = _rows_of(datasets.load_dataset("parquet", data_files=name, split="train", streaming=True))
+            return ((f"{name}#{i + 1}", row) for i, row in enumerate(rows))  # named as the indexed path names them
     else:
         raise MLLMRecordError(f"{path}: a {kind!r} source has an index already: train it without data.streaming "
                               "(stream mode reads JSON, JSONL, parquet files and shard lists)", "invalid_source")
     return IterableStream(entry.name, raws, root, folder, spec.allow_leading_assistant, media_roots,
                           with_origins=True)
+
+
+def _rows_of(iterable: Iterable[Any]) -> Iterator[Any]:
+    """The rows of ``iterable``, all of them in every process: a ``datasets.IterableDataset`` is read through its
+    ``iter()``, because its ``__iter__`` inside a DataLoader worker reads only that worker's share of its files
+    (and nothing when it has fewer files than workers), while every worker here plans the whole stream."""
+    datasets = sys.modules.get("datasets")
+    if datasets is None or not isinstance(iterable, datasets.IterableDataset):
+        yield from iterable
+        return
+    for batch in iterable.iter(batch_size=ROWS_PER_BATCH):
+        columns = list(batch.items())
+        for j in range(len(columns[0][1]) if columns else 0):
+            yield {key: values[j] for key, values in columns}
 
 
 def _without_nulls(raw: Any) -> Any:
