@@ -6,7 +6,7 @@ packs of 1 rank x accumulation 2; a state handed out after a step, through JSON,
 world size at exactly the packs the uninterrupted one trains next; sources are a ``datasets`` IterableDataset over
 a local JSONL file (``load_dataset(..., streaming=True)``) and a plain list, mixed, read past their end (a second
 pass), in the main process and in DataLoader workers alike; bad records are named by origin, once per read. The
-refusals: no ``train.max_steps``, or a packing that cannot pack a stream.
+refusals: no ``train.max_steps``, a packing that cannot pack a stream, planning a stream ahead (the reports).
 
 Real trainings (llava, slow): one uninterrupted reference (1 rank x accumulation 2, a checkpoint after every step)
 that every check shares: it trains exactly ``train.max_steps`` steps with bad records counted and named; a
@@ -25,6 +25,8 @@ from torch.utils.data import DataLoader
 
 import mvp_engine.engine.testing as kit
 from mvp_engine.engine.checkpoint import CHECKPOINTS, load_run_state
+from mvp_engine.engine.config import ConfigError
+from mvp_engine.engine.run import planning_dataset
 from mvp_engine.kit.mllm.data import IterableStream, MLLMCollator, MLLMDataSpec, MLLMPackingSpec, MLLMStreamDataset
 from tests.fakes import FakeEncoder
 from tests.test_elastic import assert_same_training
@@ -101,6 +103,15 @@ def test_a_stream_mode_run_without_max_steps_or_greedy_packing_is_refused_in_one
     result = kit.train(RECIPE, tmp_path, [f"data.sources=[{data}]", "data.streaming=true", *overrides], check=False)
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith(line), result.stderr[-3000:]
+
+
+def test_planning_a_stream_is_refused_in_one_line():
+    """The reports and step estimates plan through planning_dataset: a stream has nothing to plan ahead."""
+    cfg = kit.compose_config(RECIPE, ["+packing=greedy", "data.streaming=true", "train.max_steps=3",
+                                      f"data.sources=[{kit.shared_mixed_jsonl()}]"])
+    with pytest.raises(ConfigError, match=r"^data.streaming=true: a stream is read in order, not indexed, so nothing "
+                                          r"plans it ahead \(no step estimate"):
+        planning_dataset(cfg, kit.load_recipe(RECIPE))
 
 
 # --- real trainings ---------------------------------------------------------------------------------------------

@@ -126,6 +126,10 @@ def planning_dataset(cfg: DictConfig, recipe: Recipe, world_size: int = 1) -> Pl
 
 
 def _plan(cfg: DictConfig, recipe: Recipe, specs: RunSpecs, world_size: int) -> Run:
+    if specs.data.streaming:
+        raise ConfigError("data.streaming=true: a stream is read in order, not indexed, so nothing plans it ahead (no "
+                          "step estimate, pack report or plan): the run takes train.max_steps optimizer steps; plan "
+                          "the same sources without data.streaming to see their packs")
     layout = plan_layout(world_size, specs.train.context_parallel_size, specs.data.packing is not None)
     processor = recipe.build_processor(cfg.model)
     encoder = recipe.build_encoder(processor)
