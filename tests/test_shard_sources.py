@@ -298,8 +298,9 @@ def test_check_data_names_each_bad_member_of_an_energon_source_by_shard_and_key(
 
 
 def test_an_energon_folder_is_refused_in_one_line_when_energon_cannot_read_it(rows, tmp_path, monkeypatch):
-    """An index that counts fewer samples than the info (stale) stops the store; a typed dataset (a field map over
-    its parts) and a missing megatron-energon each stop the config check."""
+    """An index that counts fewer samples than the info (stale) stops the store; an eval source naming the folder
+    (it would evaluate the train part), a typed dataset (a field map over its parts) and a missing megatron-energon
+    each stop the config check."""
     source = write_shards(tmp_path / "prepared", rows[:2], shards=1)
     prepare_energon(tmp_path / "prepared", ["shard-0.tar"], [])
     assert source_kind(tmp_path / "prepared") == "energon" and source_kind(source) == "webdataset"
@@ -309,6 +310,9 @@ def test_an_energon_folder_is_refused_in_one_line_when_energon_cannot_read_it(ro
     with pytest.raises(MLLMRecordError, match=r"index holds 2 samples of .*shard-0.tar, its .nv-meta info counts 3: "
                                               "the index is stale"):
         MLLMDataKit.open_store(spec)
+    with pytest.raises(ValueError, match=r"data.eval_sources\[0\]: .*prepared is an Energon-prepared folder, read as "
+                                         "its 'train' split part: name its held-out shards by pattern instead"):
+        MLLMDataSpec(sources=[source], eval_sources=[str(tmp_path / "prepared")])
     config = tmp_path / "prepared" / ".nv-meta" / "dataset.yaml"
     config.write_text("sample_type:\n  __module__: megatron.energon\n  __class__: VQASample\n"
                       "field_map:\n  image: png\n  context: json[question]\n  answers: json[answer]\n")

@@ -7,6 +7,7 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
+from .energon import SPLIT_PART, is_energon_folder
 from .mixture import MLLMSource, source_entries
 from .sources import DEFAULT_MAX_RECORD_BYTES
 
@@ -147,12 +148,17 @@ class MLLMDataSpec:
 
     def eval_source_entries(self) -> list[MLLMSource]:
         """``eval_sources`` as validated entries (the kinds and keys of ``sources``); a ``repeat`` is refused: every
-        held-out record is evaluated once."""
+        held-out record is evaluated once. So is an Energon-prepared folder: it is read as its ``train`` split part
+        (``energon.py``), which an evaluation would then measure as held out."""
         entries = source_entries(self.eval_sources, "data.eval_sources")
         for index, entry in enumerate(entries):
             if entry.repeat != 1:
                 raise ValueError(f"data.eval_sources[{index}]: repeat={entry.repeat:g} does not apply to an eval "
                                  "source (each of its records is evaluated once)")
+            if is_energon_folder(entry.path):
+                raise ValueError(f"data.eval_sources[{index}]: {entry.path} is an Energon-prepared folder, read as its "
+                                 f"{SPLIT_PART!r} split part: name its held-out shards by pattern instead "
+                                 "(shard-{0000..0009}.tar)")
         return entries
 
     def eval_spec(self, source: MLLMSource) -> MLLMDataSpec:
