@@ -80,7 +80,8 @@ class ReferenceTable:
             raise RuntimeError(f"dpo.reference=precomputed: pair {missing[0]!r} has no reference log-probabilities "
                                "(the reference pass over data.sources and data.eval_sources did not reach it)")
         values = torch.tensor([self.entries[key][1:] for key in keys], dtype=torch.float32).reshape(-1, 4)
-        return PairLogProbs(*values.to(batch["input_ids"].device).unbind(1))
+        # without blocking: a copy from host memory that waits for nothing queued on the device (no host sync)
+        return PairLogProbs(*values.to(batch["input_ids"].device, non_blocking=True).unbind(1))
 
 
 def source_fingerprint(run: Run, source: MLLMSource, encoder: PairEncoder) -> str:
