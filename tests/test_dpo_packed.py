@@ -17,7 +17,14 @@ import torch
 import torch.nn.functional as F
 
 from mvp_engine.engine.config import LoraSpec
-from mvp_engine.engine.preference import PreferenceObjective, PreferenceSpec, adapters_disabled, frozen_copy
+from mvp_engine.engine.device import DEVICE_ENV
+from mvp_engine.engine.preference import (
+    PreferenceObjective,
+    PreferenceSpec,
+    adapters_disabled,
+    frozen_copy,
+    prefix_obstacle,
+)
 from mvp_engine.engine.testkit.equivalence import collate_rows, with_random_adapters
 from mvp_engine.engine.testkit.preference import write_pairs
 from mvp_engine.engine.testkit.structure import compose_config, load_recipe
@@ -150,11 +157,17 @@ def test_bad_spec_is_one_line():
 
 
 @pytest.mark.parametrize("name,backend", [("llava", "sdpa_varlen"), ("qwen3_5", "sdpa")])
-def test_duplicated_prefix_on_what_cannot_share_it(records, name, backend):
+def test_duplicated_prefix_on_what_cannot_share_it(records, name, backend, monkeypatch):
     """Each conversation a segment of its own: varlen kernels (flash's layout, computed here through sdpa_varlen)
     and linear-attention layers (Qwen3.5) need nothing more than their packed boundaries. The shared layout is
-    refused in one line where it cannot be kept apart: flash's kwargs, linear-attention layers."""
+    refused in one line where it cannot be kept apart: flash's kwargs, linear-attention layers; a CPU run
+    duplicates the prefix for those alone (``prefix_obstacle``), not for sdpa_varlen."""
     model, encoder, pad = check_dpo_step(name, backend, PreferenceSpec(beta=0.5, shared_prefix=False), records)
+    monkeypatch.setenv(DEVICE_ENV, "cpu")
+    linear = "its linear-attention layers carry a recurrent state along the segment"
+    assert prefix_obstacle(model, "sdpa_varlen") == (linear if name == "qwen3_5" else None)
+    assert prefix_obstacle(model, "flash_attention_2") == (linear if name == "qwen3_5" else
+                                                           "flash_attention_2 takes one causal span per segment")
     batch = collate_rows([[PairEncoder(encoder).encode(records[0])]], pad)
     if name == "qwen3_5":
         with pytest.raises(ValueError, match="not supported on models with linear-attention layers"):
