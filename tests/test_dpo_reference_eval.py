@@ -18,9 +18,11 @@ import json
 import math
 
 import pytest
+import torch
 
 from mvp_engine.engine.config import ConfigError
 from mvp_engine.engine.evaluate import evaluate
+from mvp_engine.engine.evaluation import NOTHING_DECODED, describe, eval_metrics, pair_eval_metrics
 from mvp_engine.engine.preference import METRICS
 from mvp_engine.engine.testkit.launch import read_metrics, read_summary
 from mvp_engine.engine.testkit.preference import BAD_PAIRS, good_pairs
@@ -141,3 +143,17 @@ def test_evaluate_entry_on_a_saved_lora_policy(tmp_path, pairs_file):
     _close(stand_alone("train.micro_batch_size=2"), last, [*EVAL_METRICS, "eval_pairs"])
     with pytest.raises(ConfigError, match="^evaluate: dpo.reference=copy has no reference for a saved policy"):
         stand_alone("dpo.reference=copy")
+
+
+def test_pair_eval_metrics_are_none_without_pairs():
+    """Per source and overall, the pairs' means; a source with no pair evaluated has none, never 0."""
+    totals = torch.zeros(2, len(METRICS) + 1, dtype=torch.float64)
+    totals[0] = torch.tensor([1.0, -1.0, 2.0, 1.0, -10.0, -12.0, 2.0])  # METRICS' sums over 2 pairs, then the count
+    metrics = pair_eval_metrics(["a", "b"], totals)
+    assert metrics["eval_rewards/margin"] == metrics["eval_rewards/margin/a"] == 1.0
+    assert metrics["eval_rewards/accuracy"] == 0.5 and metrics["eval_logps/rejected"] == -6.0
+    assert metrics["eval_rewards/margin/b"] is None
+    none = {**eval_metrics(["b"], torch.zeros(1, 4, dtype=torch.float64), "pairs"),
+            **pair_eval_metrics(["b"], totals[1:])}
+    assert none["eval_loss"] is None and none["eval_rewards/accuracy"] is None
+    assert describe(none) == f"eval_loss none ({NOTHING_DECODED}) over 0 pairs"

@@ -196,11 +196,16 @@ def eval_metrics(names: list[str], sums: torch.Tensor, unit: str = "tokens") -> 
 
 def pair_eval_metrics(names: list[str], totals: torch.Tensor) -> dict:
     """``eval_<metric>`` of the pairs of every source (``totals``: per source, the objective's sums over the ranks),
-    and ``eval_<metric>/<name>`` per source when there are several."""
-    metrics = {f"eval_{key}": value for key, value in pair_means(totals.sum(0)).items()}
+    and ``eval_<metric>/<name>`` per source when there are several; None where no pair was evaluated."""
+
+    def means(row: torch.Tensor, suffix: str = "") -> dict:
+        values = pair_means(row)
+        return {f"eval_{key}{suffix}": value if row[-1] > 0 else None for key, value in values.items()}
+
+    metrics = means(totals.sum(0))
     if len(names) > 1:
         for name, row in zip(names, totals):
-            metrics.update({f"eval_{key}/{name}": value for key, value in pair_means(row).items()})
+            metrics.update(means(row, f"/{name}"))
     return metrics
 
 
@@ -214,7 +219,9 @@ def describe(metrics: dict, digits: int = 4) -> str:
     said = f"{EVAL_LOSS} {loss:.{digits}f}" if loss is not None else f"{EVAL_LOSS} none ({metrics[NO_LOSS]})"
     if "eval_pairs" in metrics:  # train.objective=dpo
         margin, accuracy = metrics["eval_rewards/margin"], metrics["eval_rewards/accuracy"]
-        return f"{said}, margin {margin:.{digits}f}, accuracy {accuracy:.3f} over {metrics['eval_pairs']} pairs"
+        if loss is not None:
+            said += f", margin {margin:.{digits}f}, accuracy {accuracy:.3f}"
+        return f"{said} over {metrics['eval_pairs']} pairs"
     return f"{said} over {metrics['eval_tokens']} tokens of {metrics['eval_samples']} samples"
 
 
