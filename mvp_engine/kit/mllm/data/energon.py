@@ -99,6 +99,7 @@ def energon_index(path: str | os.PathLike) -> EnergonIndex:
     try:
         from megatron.energon.epathlib import EPath
         from megatron.energon.eyaml import load_yaml
+        from megatron.energon.flavors.webdataset.empty_dataset_error import EmptyDatasetError
         from megatron.energon.flavors.webdataset.metadata import EnergonDatasetType, WebdatasetMeta, get_dataset_type
     except ImportError:
         raise MLLMRecordError(f"{folder}: an Energon-prepared dataset ({META_FOLDER}) is read through "
@@ -116,8 +117,11 @@ def energon_index(path: str | os.PathLike) -> EnergonIndex:
                                   "read, each sample's json part holding its record", "invalid_source")
     try:
         split = WebdatasetMeta.from_config(EPath(folder), split_part=SPLIT_PART)
-    except (AssertionError, FileNotFoundError, KeyError, ValueError) as err:
-        raise MLLMRecordError(f"{folder}: no {SPLIT_PART!r} split part in {META_FOLDER} ({err})",
+    except KeyError as err:  # a shard of the part that the info does not count
+        raise MLLMRecordError(f"{folder}: the {SPLIT_PART!r} split part names shard {err} which {META_FOLDER} does "
+                              "not count: run `energon prepare` again", "invalid_source") from None
+    except (AssertionError, EmptyDatasetError, FileNotFoundError, ValueError) as err:
+        raise MLLMRecordError(f"{folder}: no readable {SPLIT_PART!r} split part in {META_FOLDER} ({err})",
                               "invalid_source") from None
     index = meta / "index.sqlite"
     if not _has_sample_parts(index):
