@@ -20,6 +20,7 @@ import math
 import pytest
 import torch
 
+from mvp_engine.engine.checkpoint import CHECKPOINTS
 from mvp_engine.engine.config import ConfigError
 from mvp_engine.engine.evaluate import evaluate
 from mvp_engine.engine.evaluation import NOTHING_DECODED, describe, eval_metrics, pair_eval_metrics
@@ -52,7 +53,7 @@ def runs(tmp_path_factory, pairs_file):
     root = tmp_path_factory.mktemp("dpo_reference")
     data = [f"data.sources=[{pairs_file}]", f"data.eval_sources=[{pairs_file}]", f"data.cache_dir={root / 'cache'}"]
     for name, reference in (("copy", "copy"), ("cold", "precomputed"), ("warm", "precomputed")):
-        train("llava", root / name, [*BASE, *data, f"dpo.reference={reference}"])
+        train("llava", root / name, [*BASE, *data, f"dpo.reference={reference}", "train.save_every_steps=1"])
     return root
 
 
@@ -94,6 +95,17 @@ def test_precomputed_reference_trains_as_the_copy(runs):
     assert read_summary(runs / "cold")["dpo_reference"] == {"computed": 1, "read": 0, "pairs": 9}
     assert read_summary(runs / "warm")["dpo_reference"] == {"computed": 0, "read": 1, "pairs": 9}
     assert read_metrics(runs / "warm") == cold
+
+
+def test_precomputed_resume_without_the_cache_keeps_the_initial_reference(runs, tmp_path, pairs_file):
+    """A resume whose cache is gone runs the pass again on the model as built, before the checkpoint is loaded: the
+    rest of the run is the uninterrupted one's, bit for bit (a pass on the resumed weights would zero the rewards)."""
+    checkpoint = runs / "cold" / CHECKPOINTS / "step_00000001"
+    data = [f"data.sources=[{pairs_file}]", f"data.eval_sources=[{pairs_file}]", f"data.cache_dir={tmp_path}"]
+    train("llava", tmp_path / "resumed", [*BASE, *data, "dpo.reference=precomputed", "train.save_every_steps=1",
+                                          f"train.resume_from={checkpoint}"])
+    assert read_summary(tmp_path / "resumed")["dpo_reference"]["computed"] == 1
+    assert read_metrics(tmp_path / "resumed") == read_metrics(runs / "cold")[2:]
 
 
 def test_precomputed_refuses_an_id_naming_two_pairs(tmp_path, pairs_file):
