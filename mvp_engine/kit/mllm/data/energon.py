@@ -71,7 +71,7 @@ class EnergonIndex:
         """Shard ``number``'s rows from ``index.sqlite``: its first ``count`` samples in sample order, each with its
         parts in byte order; a sample the split excludes is left out."""
         count, excluded = self.counts[number], self.excluded[number]
-        with closing(sqlite3.connect(f"file:{self.index_path}?mode=ro", uri=True)) as db:
+        with closing(_read_only(self.index_path)) as db:
             rows = db.execute(_PARTS_QUERY, (self.tar_file_ids[number], count)).fetchall()
         size = os.path.getsize(shard)
         keys: dict[str, dict[str, Any]] = {}
@@ -146,6 +146,11 @@ def energon_index(path: str | os.PathLike) -> EnergonIndex:
 def _has_sample_parts(index: Path) -> bool:
     if not index.is_file():
         return False
-    with closing(sqlite3.connect(f"file:{index}?mode=ro", uri=True)) as db:
+    with closing(_read_only(index)) as db:
         found = db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='sample_parts'").fetchone()
     return found is not None
+
+
+def _read_only(index: str | os.PathLike) -> sqlite3.Connection:
+    """Energon's index opened read-only (a URI, percent-encoded: a folder may hold ``?`` or ``#``)."""
+    return sqlite3.connect(f"{Path(index).absolute().as_uri()}?mode=ro", uri=True)
