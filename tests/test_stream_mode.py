@@ -5,7 +5,8 @@ In-process, at the dataset (fake encoder, no model): the packs of 2 ranks x accu
 packs of 1 rank x accumulation 2; a state handed out after a step, through JSON, starts a dataset on the other
 world size at exactly the packs the uninterrupted one trains next; sources are a ``datasets`` IterableDataset over
 a local JSONL file (``load_dataset(..., streaming=True)``) and a plain list, mixed, read past their end (a second
-pass), in the main process and in DataLoader workers alike; bad records are named by origin, once per read. The
+pass), in the main process and in DataLoader workers alike; and a list of WebDataset tar shards, read shard by
+shard; bad records are named by origin (``source#row``, ``shard.tar#key``), once per read. The
 refusals: no ``train.max_steps``, a packing that cannot pack a stream, planning a stream ahead (the reports).
 
 Real trainings (llava, slow): one uninterrupted reference (1 rank x accumulation 2, a checkpoint after every step)
@@ -16,6 +17,7 @@ SIGKILLed run resumed with ``train.resume_from=auto`` logs exactly its metrics; 
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -31,6 +33,7 @@ from mvp_engine.kit.mllm.data import IterableStream, MLLMCollator, MLLMDataSpec,
 from tests.fakes import FakeEncoder
 from tests.test_elastic import assert_same_training
 from tests.test_resume import kill_tree, wait_for
+from tests.test_shard_sources import write_shards
 
 RECIPE = "llava"
 STEPS = 10
@@ -54,43 +57,80 @@ def hf_jsonl(tmp_path_factory) -> Path:
     return path
 
 
+def stream_spec(**fields) -> MLLMDataSpec:
+    return MLLMDataSpec(packing=MLLMPackingSpec(max_seq_len=64, buffer_size=6, max_open_packs=3, seed=5), **fields)
+
+
 def stream_dataset(hf_jsonl: Path, world_size: int, rank: int, accumulation: int, state: dict | None = None):
+    """A ``datasets`` IterableDataset over a JSONL file and a plain list, mixed, 12 steps."""
     import datasets
 
     hf = datasets.load_dataset("json", data_files=str(hf_jsonl), split="train", streaming=True)
     streams = [IterableStream("hf", hf, str(hf_jsonl.parent)), IterableStream("list", raw_records(13, seed=2), "/")]
-    spec = MLLMDataSpec(packing=MLLMPackingSpec(max_seq_len=64, buffer_size=6, max_open_packs=3, seed=5))
-    dataset = MLLMStreamDataset(spec, FakeEncoder(), 12, rank=rank, world_size=world_size,
+    dataset = MLLMStreamDataset(stream_spec(), FakeEncoder(), 12, rank=rank, world_size=world_size,
                                 gradient_accumulation_steps=accumulation, streams=streams)
     dataset.load_state_dict(state)
     return dataset
 
 
-def test_a_stream_state_resumes_on_another_world_size_with_the_packs_the_run_trains_next(hf_jsonl):
-    reference = list(stream_dataset(hf_jsonl, 1, 0, 2))  # 12 steps x 2 packs
-    ranks = [list(stream_dataset(hf_jsonl, 2, rank, 1)) for rank in range(2)]
+def resumed_across_world_sizes(make) -> tuple[list[dict], list[dict], list[dict]]:
+    """``make(world_size, rank, accumulation, state)``'s packs: 1 rank x accumulation 2 (the reference), 2 ranks x 1
+    interleaved (the same packs), and 1 rank x 2 from the 2-rank run's state after step 5 through JSON (the
+    reference's packs from there); returns the reference, the 2-rank states and the resumed packs."""
+    reference = list(make(1, 0, 2, None))  # 12 steps x 2 packs
+    ranks = [list(make(2, rank, 1, None)) for rank in range(2)]
     assert [p["sample_ids"] for pair in zip(*ranks) for p in pair] == [p["sample_ids"] for p in reference]
     states = [pack["data_state"] for pack in ranks[0] if "data_state" in pack]
     assert len(states) == 12 and all(state["packs"] == 2 * (s + 1) for s, state in enumerate(states))
     state = json.loads(json.dumps(states[4]))  # after step 5: keys, cursors and RNG states, no record
     assert state["buffer"] and all(len(entry) == 4 for entry in state["buffer"])
     assert max(cursor[0] for cursor in states[-1]["cursors"]) >= 1, "a source was read past its end"
-    resumed = list(stream_dataset(hf_jsonl, 1, 0, 2, state))
+    resumed = list(make(1, 0, 2, state))
     assert [p["sample_ids"] for p in resumed] == [p["sample_ids"] for p in reference[10:]]
-    # in DataLoader workers too: each reads the whole stream (datasets' own __iter__ would split its files)
-    loader = DataLoader(stream_dataset(hf_jsonl, 1, 0, 2, state), batch_size=1, collate_fn=MLLMCollator(0),
-                        num_workers=2)
-    assert [batch["sample_ids"][0] for batch in loader] == [p["sample_ids"] for p in resumed]
     assert all(np.array_equal(a["input_ids"], b["input_ids"]) for a, b in zip(resumed, reference[10:]))
-    last = states[-1]  # bad records found after the last pack served wait in the state for the next pack
-    bad = [b["origin"] for p in reference for b in p["bad_records"]] + \
-        [b["origin"] for b in last["pending_bad"]] + [b["origin"] for _, found in last["ready"] for b in found]
-    read = {"hf": last["read"][0], "list": last["read"][1]}
-    # every read of a bad record is named once, by its source and row; a second pass reads them again
-    assert sorted(bad) == sorted(f"{name}#{i + 1}" for name, count in (("hf", 23), ("list", 13))
-                                 for n in range(read[name]) if (i := n % count) % 7 == 3)
     assert [b["origin"] for p in resumed for b in p["bad_records"]] == \
         [b["origin"] for p in reference[10:] for b in p["bad_records"]]
+    return reference, states, resumed
+
+
+def bad_read(reference: list[dict], last: dict) -> list[str]:
+    """Every bad record read, by origin: those served with packs, and those the last state still holds (found after
+    the last pack made, or travelling with packs made but not served)."""
+    held = [*last["pending_bad"], *(b for _, found in last["ready"] for b in found)]
+    return sorted([b["origin"] for p in reference for b in p["bad_records"]] + [b["origin"] for b in held])
+
+
+def test_a_stream_state_resumes_on_another_world_size_with_the_packs_the_run_trains_next(hf_jsonl):
+    make = functools.partial(stream_dataset, hf_jsonl)
+    reference, states, resumed = resumed_across_world_sizes(make)
+    # in DataLoader workers too: each reads the whole stream (datasets' own __iter__ would split its files)
+    loader = DataLoader(make(1, 0, 2, states[4]), batch_size=1, collate_fn=MLLMCollator(0), num_workers=2)
+    assert [batch["sample_ids"][0] for batch in loader] == [p["sample_ids"] for p in resumed]
+    read = dict(zip(("hf", "list"), states[-1]["read"]))
+    # every read of a bad record is named once, by its source and row; a second pass reads them again
+    assert bad_read(reference, states[-1]) == sorted(f"{name}#{i + 1}" for name, count in (("hf", 23), ("list", 13))
+                                                     for n in range(read[name]) if (i := n % count) % 7 == 3)
+
+
+def test_a_shard_list_streams_shard_by_shard_and_resumes_on_another_world_size(tmp_path):
+    pattern = write_shards(tmp_path / "shards", raw_records(20, seed=3), shards=3)
+    spec = stream_spec(sources=[pattern], streaming=True, cache_dir=str(tmp_path / "cache"))
+
+    def make(world_size, rank, accumulation, state):
+        dataset = MLLMStreamDataset(spec, FakeEncoder(), 12, rank=rank, world_size=world_size,
+                                    gradient_accumulation_steps=accumulation)
+        dataset.load_state_dict(state)
+        return dataset
+
+    reference, states, _ = resumed_across_world_sizes(make)
+    assert [cursor[1] for cursor in states[0]["cursors"]] != [cursor[1] for cursor in states[-1]["cursors"]]
+    passes, unit, row = states[-1]["cursors"][0]  # records read: whole passes of 20, then the shards before the cursor
+    read = passes * 20 + 7 * unit + row
+    assert read == states[-1]["read"][0]
+    # a bad member is named by its shard and key, once per read
+    shards = tmp_path / "shards"
+    assert bad_read(reference, states[-1]) == sorted(f"{shards}/shard-{i // 7}.tar#{i:06d}" for n in range(read)
+                                                     if (i := n % 20) % 7 == 3)
 
 
 @pytest.mark.parametrize("overrides,line", [
