@@ -5,7 +5,8 @@ counters), frozen parameters count once; OK/MISS are decided by the targets; one
 ``main``, in this process) on its own 2 ranks returns, and its numbers hold together: DDP's ranks each hold
 everything, FSDP2's shards add up to exactly DDP's parameters and hold about half per rank, recomputation saves
 bytes and trains the same; ``--experts`` counts each rank's expert state from its tensors (EP 2 holds half the
-experts' weights, gradients and moments). Wall-clock values are never asserted; the printed table is formatting and
+experts' weights, gradients and moments); ``--loss`` and ``--step`` measure the chunked loss below the full one,
+alone and in a whole step. Wall-clock values are never asserted; the printed table is formatting and
 is not parsed.
 """
 
@@ -121,3 +122,17 @@ def test_the_experts_mode_counts_each_ranks_expert_state_from_its_tensors(tmp_pa
     assert all(r["none"]["total"] - r["none"]["experts"] == r["ep2"]["total"] - r["ep2"]["experts"] for r in ranks)
     assert result["ratio"] == expected(2) / expected(1) <= bench.TARGET_STATE_RATIO
     assert result["ok"] and result["targets"][0]["line"].endswith("OK")
+
+
+def test_the_step_mode_measures_a_whole_step_with_each_loss(tmp_path):
+    """``--step`` at tiny sizes: one step of the widened model (vocabulary widened) with each loss on the same
+    weights: the same loss, the chunked step's measured peak below the full one's, the target decided by it."""
+    result = bench.main(["--step", "--step-length", "512", "--step-vocab", "4096", "--step-samples", "32",
+                         "--hidden", "64", "--intermediate", "128", "--heads", "4", "--kv-heads", "2",
+                         "--vision-hidden", "32", "--vision-intermediate", "64", "--vision-layers", "2",
+                         "--vision-heads", "2", "--workdir", str(tmp_path)])
+    step = result["step"]
+    assert step["loss_rel_diff"] <= 1e-5
+    assert 0 < step["chunked"]["peak_bytes"] < step["full"]["peak_bytes"]
+    assert step["ratio"] == step["full"]["peak_bytes"] / step["chunked"]["peak_bytes"]
+    assert result["ok"] == (step["ratio"] >= bench.TARGET_STEP_PEAK_RATIO) == result["targets"][0]["ok"]

@@ -42,6 +42,16 @@ Targets, each printed with its measured value and OK/MISS:
 step): the experts' weights, gradients and optimizer state counted from tensors; target: EP 2 <= 0.55x none's on
 the worst rank (the routed experts' 3-D weights only: the routers and the shared expert stay whole on every rank).
 
+``--loss``: the loss alone from hidden states (``--loss-hidden``), full vs chunked (``train.loss_impl``) at each
+``--vocabs`` x ``--lengths``, every position supervised, fp32: peak added memory (the profiler's allocation events
+in time order) and seconds; full only where its computed 12 bytes per logit fit ``--budget-gib``. Targets: chunked
+peak <= 1 GiB at the longest length x largest vocabulary; chunked time <= 1.10x full's where full ran.
+
+``--step``: one whole training step (prepare + forward + loss + backward, gradients included) of the widened model,
+``--step-layers`` deep with its vocabulary widened to ``--step-vocab`` (``resize_token_embeddings``) and activation
+checkpointing on, on the fullest pack of ``--step-length`` tokens, with each loss on the same weights (chunked
+first); target: full's peak >= 3x chunked's. Under 10 minutes here at its defaults (16k tokens, 2 layers).
+
 ``main(argv)`` returns what it printed as a dict; the numbers come from functions returning data
 (``measure_state``, ``measure_activations``, ``targets``), ``report`` only formats them.
 """
@@ -65,7 +75,7 @@ from torch.nn.parallel import DistributedDataParallel
 from mvp_engine.engine.config import RunSpecs, TrainSpec, compose_config, resolve_run_specs
 from mvp_engine.engine.demo import with_demo_data
 from mvp_engine.engine.expert_parallel import exclude_from_ddp, expert_modules, split_experts
-from mvp_engine.engine.linear_loss import chunked_token_loss
+from mvp_engine.engine.linear_loss import HeadInputs, chunked_token_loss
 from mvp_engine.engine.loss import weighted_token_loss
 from mvp_engine.engine.participation import dummy_passes, forward_with_media_pass, freeze_parameters, media_kinds
 from mvp_engine.engine.recipe import Recipe, load_recipe
@@ -93,6 +103,15 @@ LOSS_IMPLS = ("full", "chunked")
 TARGET_CHUNKED_PEAK_GIB = 1.0  # at the longest length and the largest vocabulary
 TARGET_CHUNKED_TIME_RATIO = 1.10  # chunked step time over full's, where full fits
 FULL_BYTES_PER_LOGIT = 12  # fp32 logits, the log-softmax cross-entropy keeps, the logits' gradient
+# --step: a whole training step of the widened model at a packed length, full vs chunked loss, and its target
+STEP_LENGTH = 16384
+# LLaVA-1.5's vocabulary (Llama 2's 32,000 and its added tokens): the recipe's test tokenizer has 3,000, which would
+# make the loss a sliver of any step
+STEP_VOCAB = 32064
+STEP_LAYERS = 2  # the widened model's depth in --step: 16k tokens through 12 layers twice is ~20 min on one thread
+STEP_SAMPLES = 400  # demo records planned: the fullest 16k pack of their plan is full
+TARGET_STEP_PEAK_RATIO = 3.0  # full's peak over chunked's
+STEP_ORDER = ("chunked", "full")  # chunked first: a first step's one-off allocations count against it
 
 
 # ------------------------------------------------------------------------------------------ counting, exactly
@@ -118,22 +137,26 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
 # ------------------------------------------------------------------------------------------ model and data
 
 
-def model_overrides(args: argparse.Namespace) -> list[str]:
-    """Hydra overrides widening the recipe's tiny model to the bench's sizes (fp32, seeded)."""
+def model_overrides(args: argparse.Namespace, positions: int, layers: int) -> list[str]:
+    """Hydra overrides widening the recipe's tiny model to the bench's sizes (fp32, seeded), ``layers`` deep, for
+    rows of ``positions`` tokens."""
     text, vision = "model.config.text_config", "model.config.vision_config"
     return [f"{text}.hidden_size={args.hidden}", f"{text}.intermediate_size={args.intermediate}",
-            f"{text}.num_hidden_layers={args.layers}", f"{text}.num_attention_heads={args.heads}",
-            f"{text}.num_key_value_heads={args.kv_heads}", f"{text}.max_position_embeddings={args.length}",
+            f"{text}.num_hidden_layers={layers}", f"{text}.num_attention_heads={args.heads}",
+            f"{text}.num_key_value_heads={args.kv_heads}", f"{text}.max_position_embeddings={positions}",
             f"{vision}.hidden_size={args.vision_hidden}", f"{vision}.intermediate_size={args.vision_intermediate}",
             f"{vision}.num_hidden_layers={args.vision_layers}", f"{vision}.num_attention_heads={args.vision_heads}",
             "model.dtype=float32", f"model.seed={args.seed}"]
 
 
-def run_specs(args: argparse.Namespace, recipe: Recipe, workdir: Path, length: int) -> tuple[dict, RunSpecs]:
+def run_specs(args: argparse.Namespace, recipe: Recipe, workdir: Path, length: int, positions: int | None = None,
+              layers: int | None = None, samples: int | None = None) -> tuple[dict, RunSpecs]:
     """The model config (a plain dict: it travels to the ranks) and the specs of a greedy-packed run at
-    ``length``, its sources filled with the demo set."""
-    cfg = with_demo_data(compose_config(RECIPE, [*model_overrides(args), "+packing=greedy",
-                                                 f"data.max_seq_len={length}", f"demo.num_samples={args.samples}",
+    ``length``, its sources filled with the demo set (``samples`` records; default ``--samples``); the model for
+    rows of ``positions`` tokens (default ``--length``), ``layers`` deep (default ``--layers``)."""
+    overrides = model_overrides(args, positions or args.length, layers or args.layers)
+    cfg = with_demo_data(compose_config(RECIPE, [*overrides, "+packing=greedy", f"data.max_seq_len={length}",
+                                                 f"demo.num_samples={samples or args.samples}",
                                                  f"demo.out_dir={workdir / 'demo'}", f"data.seed={args.seed}"]))
     return OmegaConf.to_container(cfg.model, resolve=True), resolve_run_specs(cfg, recipe.attention_backends)
 
@@ -163,12 +186,19 @@ def build_model(recipe: Recipe, model_cfg: dict, attention: str, checkpointing: 
     return model.train()
 
 
-def packed_loss(recipe: Recipe, model, batch: dict, attention: str) -> torch.Tensor:
+def packed_loss(recipe: Recipe, model, batch: dict, attention: str, impl: str = "full") -> torch.Tensor:
     """prepare_packed + forward + token-mean loss, with the trainer's zero-weighted dummy media pass on a batch
-    without media (``forward_with_media_pass``)."""
-    outputs, dummy = forward_with_media_pass(model, recipe.prepare_packed(batch, model, attention),
-                                             recipe.dummy_media(model), dummy_passes(batch, media_kinds(model)))
-    part = weighted_token_loss(outputs.logits, batch["labels"], batch["pack_segment_ids"], "token")
+    without media (``forward_with_media_pass``); ``impl`` as ``train.loss_impl``: ``full`` from the model's logits,
+    ``chunked`` from the hidden states its head is handed (``HeadInputs``, as the trainer's step)."""
+    kwargs, passes = recipe.prepare_packed(batch, model, attention), dummy_passes(batch, media_kinds(model))
+    labels, segments = batch["labels"], batch["pack_segment_ids"]
+    if impl == "full":
+        outputs, dummy = forward_with_media_pass(model, kwargs, recipe.dummy_media(model), passes)
+        part = weighted_token_loss(outputs.logits, labels, segments, "token")
+    else:
+        with HeadInputs(model) as head:
+            outputs, dummy = forward_with_media_pass(model, kwargs, recipe.dummy_media(model), passes)
+        part = head.loss(outputs.logits, labels, segments, "token")
     loss = part.weighted_sum / part.weight_total
     return loss if dummy is None else loss + dummy
 
@@ -218,11 +248,12 @@ def measure_state(model_cfg: dict, attention: str, batches: list[dict], train: T
 # ------------------------------------------------------------------------------ activations, one process
 
 
-def timed_step(recipe: Recipe, model, batch: dict, attention: str) -> tuple[float, float]:
-    """prepare + forward + loss + backward from fresh gradients: its loss and seconds."""
+def timed_step(recipe: Recipe, model, batch: dict, attention: str, impl: str = "full") -> tuple[float, float]:
+    """prepare + forward + loss (``impl``: :func:`packed_loss`) + backward from fresh gradients: its loss and
+    seconds."""
     model.zero_grad(set_to_none=True)
     start = time.perf_counter()
-    loss = packed_loss(recipe, model, batch, attention)
+    loss = packed_loss(recipe, model, batch, attention, impl)
     loss.backward()
     return float(loss.detach()), time.perf_counter() - start
 
@@ -353,6 +384,60 @@ def run_loss(args: argparse.Namespace) -> dict:
     found = loss_targets(rows)
     lines += ["targets:", *(f"  {t['line']}" for t in found), f"bench time {time.perf_counter() - started:.1f} s"]
     return {"rows": rows, "targets": found, "ok": all(t["ok"] for t in found), "args": vars(args), "lines": lines}
+
+
+# ------------------------------------------------------------------------------ a whole step, full vs chunked
+
+
+def measure_step(recipe: Recipe, model, batch: dict, attention: str) -> dict:
+    """Per loss impl, on the same model: the peak added bytes (gradients included) and seconds of one step
+    (prepare + forward + loss + backward from no gradients), and its loss."""
+    out, measured = {}, {}
+    for impl in STEP_ORDER:
+        model.zero_grad(set_to_none=True)  # before the profiler: what it counts starts from no gradients
+        peak = peak_added_bytes(lambda impl=impl: measured.update({impl: timed_step(recipe, model, batch, attention,
+                                                                                     impl)}))
+        out[impl] = {"peak_bytes": peak, "loss": measured[impl][0], "seconds": measured[impl][1]}
+        progress(f"  {impl}: {json.dumps(out[impl])}")
+    out["ratio"] = out["full"]["peak_bytes"] / out["chunked"]["peak_bytes"]
+    out["loss_rel_diff"] = abs(out["chunked"]["loss"] - out["full"]["loss"]) / abs(out["full"]["loss"])
+    return out
+
+
+def run_step(args: argparse.Namespace, workdir: Path) -> dict:
+    """The --step table: the widened model (``--step-layers`` deep, its vocabulary widened to ``--step-vocab``,
+    activation checkpointing on, as a long packed row is trained) through one step of the fullest pack at
+    ``--step-length`` tokens, with each loss; and its target."""
+    started = time.perf_counter()
+    torch.set_num_threads(args.threads)
+    recipe = load_recipe(RECIPE)
+    model_cfg, specs = run_specs(args, recipe, workdir, args.step_length, args.step_length, args.step_layers,
+                                 args.step_samples)
+    batch = fullest_batches(recipe, model_cfg, specs, 1)[0]
+    model = build_model(recipe, model_cfg, specs.attention, checkpointing=True)
+    torch.manual_seed(args.seed)
+    model.resize_token_embeddings(args.step_vocab, mean_resizing=False)  # the head and the embedding, seeded
+    parameters = sum(p.numel() for p in model.parameters())
+    progress(f"step at L={args.step_length}, V={args.step_vocab}: {', '.join(STEP_ORDER)}")
+    step = measure_step(recipe, model, batch, specs.attention)
+    ok = step["ratio"] >= TARGET_STEP_PEAK_RATIO
+    text = model_cfg["config"]["text_config"]
+    lines = [f"recipe {RECIPE} widened: text hidden {text['hidden_size']}, intermediate {text['intermediate_size']}, "
+             f"layers {text['num_hidden_layers']}, vocabulary {args.step_vocab}; {parameters / 1e6:.1f} M parameters, "
+             f"fp32 on CPU, attention {specs.attention}, activation checkpointing, torch threads {args.threads}",
+             f"one training step (prepare + forward + loss + backward, gradients included) of one packed row at "
+             f"L={args.step_length} ({batch_line(batch)}); peak added memory from the profiler's allocation events",
+             f"  {'loss':<8s} {'peak GiB':>9s} {'step s':>7s} {'loss':>10s}"]
+    for impl in STEP_ORDER:
+        lines.append(f"  {impl:<8s} {step[impl]['peak_bytes'] / GIB:>9.3f} {step[impl]['seconds']:>7.1f} "
+                     f"{step[impl]['loss']:>10.6f}")
+    line = (f"a whole step at {args.step_length} packed tokens: full's peak >= {TARGET_STEP_PEAK_RATIO:g}x "
+            f"chunked's: {step['ratio']:.2f}x -> {verdict(ok)}")
+    lines += ["targets:", f"  {line}", f"same loss: relative difference {step['loss_rel_diff']:.1e}",
+              f"bench time {time.perf_counter() - started:.1f} s"]
+    return {"recipe": RECIPE, "model": model_cfg["config"], "step": step, "ok": ok, "args": vars(args),
+            "targets": [{"name": "step_peak", "value": step["ratio"], "limit": TARGET_STEP_PEAK_RATIO, "ok": ok,
+                         "line": line}], "lines": lines}
 
 
 # ------------------------------------------------------------------------- experts: EP 2 vs none, two ranks
@@ -534,6 +619,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--loss-hidden", type=int, default=64, help="--loss: the hidden size the head projects")
     parser.add_argument("--chunk-tokens", type=int, default=TrainSpec.loss_chunk_tokens, help="--loss: chunk")
     parser.add_argument("--budget-gib", type=float, default=24.0, help="--loss: full runs only where it fits")
+    parser.add_argument("--step", action="store_true", help="a whole training step, full vs chunked loss")
+    parser.add_argument("--step-length", type=int, default=STEP_LENGTH, help="--step: packed tokens")
+    parser.add_argument("--step-vocab", type=int, default=STEP_VOCAB, help="--step: the widened vocabulary")
+    parser.add_argument("--step-layers", type=int, default=STEP_LAYERS, help="--step: the model's layers")
+    parser.add_argument("--step-samples", type=int, default=STEP_SAMPLES, help="--step: demo records planned")
     args = parser.parse_args(argv)
     if min(args.length, args.state_length, args.samples, args.repeats, args.threads, args.layers,
            args.vision_layers) < 1:
@@ -567,15 +657,16 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     threads = torch.get_num_threads()
     try:
+        mode = run_experts if args.experts else run_step if args.step else run
         if args.loss:
             result = run_loss(args)
         elif args.workdir is None:
             with tempfile.TemporaryDirectory() as workdir:
-                result = (run_experts if args.experts else run)(args, Path(workdir))
+                result = mode(args, Path(workdir))
         else:
             args.workdir.mkdir(parents=True, exist_ok=True)
             # absolute: the ranks' file:// rendezvous needs it
-            result = (run_experts if args.experts else run)(args, args.workdir.resolve())
+            result = mode(args, args.workdir.resolve())
     finally:
         torch.set_num_threads(threads)  # called in process (tests), leave the caller's setting as it was
     print("\n".join(result["lines"]))
