@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
@@ -84,11 +85,23 @@ def test_dpo_resume_is_exact(runs, tmp_path, pairs_file):
 
 
 @pytest.mark.launch
-def test_dpo_two_ranks_equal_one_rank_accumulating(runs, tmp_path, pairs_file):
-    """2 ranks x 1 micro-batch == 1 rank x accumulation 2: the pair count and the metrics summed over ranks."""
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp2_copy"])
+def test_dpo_two_ranks_equal_one_rank_accumulating(runs, tmp_path, pairs_file, parallel):
+    """2 ranks x 1 micro-batch == 1 rank x accumulation 2: the pair count and the metrics summed over ranks.
+
+    ``fsdp2_copy``: the policy sharded by FSDP2 and the reference a frozen copy sharded with the same plan
+    (``parallel.shard_frozen``): each rank holds half of the copy, said at start. The same reference run serves:
+    the copy of a policy whose fresh adapters are zero computes what that policy with its adapters off computes."""
     shape = ["train.micro_batch_size=1", "train.gradient_accumulation_steps=1"]
-    train("llava", tmp_path / "ranks", [*BASE, *shape, f"data.sources=[{pairs_file}]"], nproc=2)
+    extra = ["train.sharding=fsdp2", "dpo.reference=copy"] if parallel == "fsdp2_copy" else []
+    result = train("llava", tmp_path / "ranks", [*BASE, *shape, *extra, f"data.sources=[{pairs_file}]"], nproc=2)
     _same_steps(_records(tmp_path / "ranks"), _records(runs / "two"))
+    if parallel == "fsdp2_copy":
+        held = re.search(r"dpo\.reference=copy: fsdp2 over 2 ranks, this rank holds ([\d,]+) of ([\d,]+) parameter",
+                         result.stdout)
+        assert held is not None, result.stdout[-2000:]
+        local, total = (int(n.replace(",", "")) for n in held.groups())
+        assert 0.45 * total <= local <= 0.55 * total, (local, total)  # half, up to the rounding of uneven shards
 
 
 def test_dpo_refuses_what_it_cannot_do(tmp_path, pairs_file):

@@ -148,13 +148,15 @@ def make_sequence_parallel(model, layout: ParallelLayout):
 
 
 def parallelize(model, layout: ParallelLayout, train: TrainSpec, recipe=None, accelerator=None,
-                weights_from_rank0: bool = False):
+                weights_from_rank0: bool = False, frozen: torch.nn.Module | None = None):
     """``model`` as the run trains it, in one fixed order: activation checkpointing (before any wrapper: it replaces
     each layer's forward, and FSDP2's hooks must stay outside the recompute), context-parallel attention, the
     recipe's own plan (``Recipe.parallelize(model, layout, train)``, where it has one), then FSDP2 over the
     layout's mesh or accelerate's DDP when ``accelerator`` is given (without one, e.g. evaluation, no wrapper).
     ``weights_from_rank0``: the other ranks built a pretrained model without its weights; FSDP2 hands them
-    rank 0's."""
+    rank 0's. ``frozen``: a frozen copy of ``model`` taken before this call (``dpo.reference=copy``), sharded in
+    place by :func:`shard_frozen` under FSDP2; left whole otherwise (DDP has nothing to do for a model without
+    gradients)."""
     if train.activation_checkpointing:
         enable_activation_checkpointing(model)
     model = make_sequence_parallel(model, layout)
@@ -175,6 +177,8 @@ def parallelize(model, layout: ParallelLayout, train: TrainSpec, recipe=None, ac
         model = shard_model(model, train.mixed_precision, layout.world_mesh, train.offload)
         if weights_from_rank0:
             load_full_state_dict(model, full, () if split is None else split.names)
+        if frozen is not None:
+            shard_frozen(frozen, model, layout, train, full if weights_from_rank0 else None)
     else:
         if split is not None:
             exclude_from_ddp(model, split)
@@ -184,6 +188,26 @@ def parallelize(model, layout: ParallelLayout, train: TrainSpec, recipe=None, ac
         raise ConfigError("train.time_barrier=true needs DDP (torchrun or conf/accelerate/ddp.yaml) or one "
                           f"process; this run is {accelerator.distributed_type.value}")
     return model
+
+
+def shard_frozen(frozen: torch.nn.Module, policy: torch.nn.Module, layout: ParallelLayout, train: TrainSpec,
+                 full: dict | None = None) -> None:
+    """``frozen`` (a frozen copy of the policy, ``dpo.reference=copy``) sharded in place with the policy's FSDP2
+    plan: the same units over the same mesh, mixed precision and offload (``shard_model``), so a rank holds 1/N of
+    it as of the policy. ``full``: rank 0's state dict when the other ranks built the model without its weights (their
+    copy is as empty as their policy was), broadcast into the copy's shards as into the policy's. As the policy's, the
+    root unit stays gathered after its forward (the head is applied after it, ``linear_loss.HeadInputs``); the copy
+    runs no backward to reshard it, so ``PreferenceObjective`` reshards it once its log-probs are taken.
+
+    The policy's experts split over ranks (``train.expert_parallel_size``) have no counterpart here: refused in one
+    line, the copy's experts would be sharded another way than the policy's."""
+    if train.expert_parallel_size != 1:
+        raise ConfigError(f"dpo.reference=copy with train.sharding=fsdp2 and train.expert_parallel_size="
+                          f"{train.expert_parallel_size} is not supported: use dpo.reference=precomputed (or "
+                          "adapters_off with LoRA)")
+    shard_model(frozen, train.mixed_precision, layout.world_mesh, train.offload)
+    if full is not None:
+        load_full_state_dict(frozen, full)
 
 
 def media_keys(kinds: tuple[MediaKind, ...]) -> tuple[str, ...]:

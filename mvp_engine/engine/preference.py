@@ -47,6 +47,7 @@ from .config import ConfigError, PreferenceSpec, RunSpecs
 from .device import cuda_in_use
 from .linear_loss import CHUNK_TOKENS, HeadInputs
 from .loss import WeightedTokenLoss
+from .sharding import is_sharded
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy", "logps/chosen",
            "logps/rejected")
@@ -196,7 +197,10 @@ class PreferenceObjective:
             return self.lookup(batch)
         with torch.no_grad():
             if self.spec.reference == "copy":
-                return batch_pair_logprobs(self.reference, batch, forward, autocast, chunk_tokens)[0]
+                logprobs = batch_pair_logprobs(self.reference, batch, forward, autocast, chunk_tokens)[0]
+                if is_sharded(self.reference):  # FSDP2 keeps the root gathered for a backward the copy never runs
+                    self.reference.reshard()
+                return logprobs
             with adapters_disabled(model):
                 return batch_pair_logprobs(model, batch, forward, autocast, chunk_tokens)[0]
 
@@ -312,7 +316,11 @@ def eval_pairs(spec: PreferenceSpec, encoder) -> Callable:
     return lambda data, build: pairs_dataset(data, pair_encoder, build)
 
 
-def build_objective(spec: PreferenceSpec, model, device) -> PreferenceObjective:
-    """The step's objective; under ``dpo.reference=copy`` with a frozen copy of ``model`` as it starts."""
-    copy_needed = spec.needs_reference and spec.reference == "copy"
-    return PreferenceObjective(spec, frozen_copy(model).to(device) if copy_needed else None)
+def build_objective(spec: PreferenceSpec, model, device, sharded: bool = False) -> PreferenceObjective:
+    """The step's objective; under ``dpo.reference=copy`` with a frozen copy of ``model`` as it starts, moved to
+    ``device``, or left where it is when ``sharded`` (``train.sharding=fsdp2``: ``parallel.shard_frozen`` shards it
+    as the policy and moves the shards; a rank that built the model without its weights has nothing to move)."""
+    if not (spec.needs_reference and spec.reference == "copy"):
+        return PreferenceObjective(spec)
+    reference = frozen_copy(model)
+    return PreferenceObjective(spec, reference if sharded else reference.to(device))

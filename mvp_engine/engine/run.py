@@ -192,14 +192,17 @@ def _assemble(cfg: DictConfig, recipe: Recipe, specs: RunSpecs, purpose: str) ->
                                 recipe.packed_metadata(model) if run.packed else None)
     run.step = TrainStep(accelerator, recipe.prepare_packed if run.packed else recipe.prepare_padded, specs.attention,
                          run.dummy_media, train, run.media_kinds, layout.shard, balance,
-                         build_objective(preference, model, accelerator.device) if preference is not None else None)
+                         build_objective(preference, model, accelerator.device, train.sharding == "fsdp2")
+                         if preference is not None else None)
     if training:
         # a stream (data.streaming) is read in order, not planned: its length is train.max_steps by construction
         run.total_steps = train.max_steps if specs.data.streaming else run.dataset.estimate_total_steps(train.epochs)
         refuse_without_steps(run.dataset, run.total_steps)
     run.evaluator = build_evaluator(specs, accelerator, encoder, run.collator, run.step, layout,
                                     eval_pairs(preference, encoder) if preference is not None else None)
-    run.model = parallelize(model, layout, train, recipe, accelerator if training else None, weights_from_rank0)
+    reference = run.step.objective.reference if run.step.objective is not None else None  # dpo.reference=copy
+    run.model = parallelize(model, layout, train, recipe, accelerator if training else None, weights_from_rank0,
+                            reference)
     return run
 
 

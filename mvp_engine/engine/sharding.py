@@ -78,12 +78,12 @@ def shard_model(model: torch.nn.Module, mixed_precision: str, mesh=None, offload
     return model
 
 
-def describe_sharding(model: torch.nn.Module) -> str:
-    """The start-of-run line: what this rank really holds."""
+def describe_sharding(model: torch.nn.Module, subject: str = "sharding") -> str:
+    """The start-of-run line: what this rank really holds of ``model`` (``subject``: what the line is about)."""
     local = sum(_local(p).numel() for p in model.parameters())
     total = sum(p.numel() for p in model.parameters())
     where = ", offloaded to host memory with their gradients and optimizer state" if offloaded(model) else ""
-    return (f"sharding: fsdp2 over {torch.distributed.get_world_size()} ranks, this rank holds {local:,} of "
+    return (f"{subject}: fsdp2 over {torch.distributed.get_world_size()} ranks, this rank holds {local:,} of "
             f"{total:,} parameter elements{where}")
 
 

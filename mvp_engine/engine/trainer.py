@@ -208,6 +208,9 @@ class Trainer:
             print(self.parts.parameters.describe())
             if is_sharded(model):
                 print(describe_sharding(model))
+            reference = getattr(self.train_step.objective, "reference", None)
+            if reference is not None and is_sharded(reference):  # dpo.reference=copy, sharded as the policy is
+                print(describe_sharding(reference, "dpo.reference=copy"))
         optimizer, scheduler = optimizer_and_schedule(model, self.specs.train, self.total_steps)
         if not is_sharded(model):
             optimizer = self.accelerator.prepare_optimizer(optimizer)
