@@ -29,7 +29,14 @@ import mvp_engine.engine.testing as kit
 from mvp_engine.engine.checkpoint import CHECKPOINTS, load_run_state
 from mvp_engine.engine.config import ConfigError
 from mvp_engine.engine.run import planning_dataset
-from mvp_engine.kit.mllm.data import IterableStream, MLLMCollator, MLLMDataSpec, MLLMPackingSpec, MLLMStreamDataset
+from mvp_engine.kit.mllm.data import (
+    IterableStream,
+    MLLMCollator,
+    MLLMDataSpec,
+    MLLMPackingSpec,
+    MLLMRecordError,
+    MLLMStreamDataset,
+)
 from tests.fakes import FakeEncoder
 from tests.test_elastic import assert_same_training
 from tests.test_resume import kill_tree, wait_for
@@ -152,6 +159,21 @@ def test_planning_a_stream_is_refused_in_one_line():
     with pytest.raises(ConfigError, match=r"^data.streaming=true: a stream is read in order, not indexed, so nothing "
                                           r"plans it ahead \(no step estimate"):
         planning_dataset(cfg, kit.load_recipe(RECIPE))
+
+
+def test_a_source_with_no_record_or_no_admissible_record_is_refused_instead_of_read_without_end(tmp_path):
+    """A stream starts a source again at its end: one with nothing to pack would spin in a loader worker forever."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(MLLMRecordError, match=r"^empty: no record to stream"):
+        MLLMStreamDataset(stream_spec(sources=[str(empty)]), FakeEncoder(), 3)
+    bad = IterableStream("bad", [{"id": f"b{i}", "bogus": True} for i in range(5)], "/")
+    overlong = IterableStream("long", [{"id": "l", "messages": [{"role": "user", "content": "90 0"},
+                                                                {"role": "assistant", "content": "ok"}]}], "/")
+    for stream in (bad, overlong):
+        dataset = MLLMStreamDataset(stream_spec(), FakeEncoder(), 3, streams=[stream])
+        with pytest.raises(MLLMRecordError, match=rf"^{stream.name}: a whole pass of the stream admitted no record"):
+            next(iter(dataset))
 
 
 # --- real trainings ---------------------------------------------------------------------------------------------

@@ -74,6 +74,7 @@ class StreamPlanner:
         self.ready: deque[tuple[list[Entry], list[dict]]] = deque()
         self.pending_bad: list[dict] = []  # found since the last pack was made: they travel with the next one
         self.read = [0] * len(streams)
+        self.admitted_pass = [-1] * len(streams)  # the last pass of each source that admitted a record
         self.dropped: list[Counter] = [Counter() for _ in streams]
         self.truncated = 0
         self.records: dict[Key, MLLMRecord] = {}  # the held records themselves (read again on a resume)
@@ -116,6 +117,10 @@ class StreamPlanner:
         source = self._choose_source()
         key, item = self._next_row(source)
         self.read[source] += 1
+        if key[1] > self.admitted_pass[source] + 1:
+            raise MLLMRecordError(f"{self.streams[source].name}: a whole pass of the stream admitted no record (each "
+                                  "one bad, overlong or dropped), so it would be read again without end",
+                                  "invalid_source")
         if isinstance(item, MLLMRecordError):
             self._bad(item, "read", source)
             return
@@ -136,6 +141,7 @@ class StreamPlanner:
             self.dropped[source][DROP_REASONS[admission.codes[0]]] += 1
             return
         self.truncated += int(admission.truncated_mask[0])
+        self.admitted_pass[source] = key[1]
         entry = (key, meta.length, int(admission.lengths[0]), meta.num_media)
         self.records[key] = item
         if len(self.buffer) < self.spec.buffer_size:
@@ -172,6 +178,7 @@ class StreamPlanner:
                 "open_rem": list(packer.open_rem), "open_media": list(packer.open_media),
                 "ready": [[[_plain(e) for e in pack], bad] for pack, bad in self.ready],
                 "pending_bad": list(self.pending_bad), "read": list(self.read),
+                "admitted_pass": list(self.admitted_pass),
                 "dropped": [dict(c) for c in self.dropped], "truncated": self.truncated}
 
     def load_state_dict(self, state: dict) -> None:
@@ -190,6 +197,7 @@ class StreamPlanner:
         self.ready = deque(([_entry(e) for e in pack], bad) for pack, bad in state["ready"])
         self.pending_bad = list(state["pending_bad"])
         self.read = list(state["read"])
+        self.admitted_pass = list(state["admitted_pass"])
         self.dropped = [Counter(c) for c in state["dropped"]]
         self.truncated = int(state["truncated"])
         self._readers = {}
@@ -245,6 +253,10 @@ class MLLMStreamDataset(IterableDataset):
         self.rank, self.world_size = rank, world_size
         self.micro_batch_size, self.gradient_accumulation_steps = micro_batch_size, gradient_accumulation_steps
         self.streams = open_streams(data_spec) if streams is None else streams
+        for stream in self.streams:
+            if not stream.has_rows():
+                raise MLLMRecordError(f"{stream.name}: no record to stream (data.streaming=true reads it again at "
+                                      "its end, so an empty source would never end a step)", "invalid_source")
         entries = data_spec.source_entries()
         if len(entries) != len(self.streams):  # in-process streams: named by themselves, equal weights
             entries = [MLLMSource(path=stream.name, name=stream.name) for stream in self.streams]

@@ -49,6 +49,11 @@ class RecordStream:
     def rows(self, unit: int, row: int) -> Iterator[tuple[int, Row]]:
         raise NotImplementedError
 
+    def has_rows(self) -> bool:
+        """Whether a pass yields any row: read up to the first one (a stream that starts again at its end would
+        otherwise spin on nothing, inside a loader worker)."""
+        return any(True for unit in range(self.num_units) for _ in islice(self.rows(unit, 0), 1))
+
 
 class IterableStream(RecordStream):
     """Raw records from ``raws()`` (a fresh iterator each call: ``(origin or None, raw)``, or bare raw values),
