@@ -18,8 +18,9 @@ What each term is, per rank:
   the vision tower's patches of the media among them), plus the embeddings' output; with activation checkpointing
   each block keeps only its input and one block's activations are recomputed at a time.
 - **loss peak**: the full loss keeps the logits, their fp32 copy and an fp32 log-softmax (``positions x V``), and
-  its backward adds an fp32 gradient; the chunked loss (``linear_loss.py``) keeps the supervised positions' hidden
-  states and projects ``chunk_tokens`` of them at a time.
+  its backward adds an fp32 gradient; the chunked loss (``linear_loss.py``) projects ``chunk_tokens`` supervised
+  positions at a time and keeps their hidden states (or, fused on a plain linear head, their gradient and the
+  head's fp32 gradient).
 
 How a block's activations are found: its norms and its MLP are run on the meta device (shapes only, no memory) with
 ``saved_tensors_hooks`` counting what they keep, so each family's own norm and MLP code decides (an fp32 upcast in
@@ -38,6 +39,8 @@ from dataclasses import dataclass, field
 import torch
 
 from mvp_engine.packing import unwrap_model
+
+from .linear_loss import plain_linear
 
 GIB = 2**30
 ADAM_BYTES = 8  # AdamW's exp_avg and exp_avg_sq, fp32, per trainable element
@@ -204,6 +207,9 @@ class ModelShape:
     per_token: float = 0.0  # outside the blocks, per language-model token: the final norm
     per_patch: float = 0.0  # outside the blocks, per vision patch: the patch embedding's input
     per_media_token: float = 0.0  # outside the blocks, per media token: the projector's linear layers
+    # elements of a trained plain linear head (linear_loss.plain_linear): the chunked loss fuses it and keeps its
+    # fp32 gradient from the loss's forward to its backward; 0 for another head or a frozen one
+    fused_head: int = 0
 
 
 def model_shape(model: torch.nn.Module, act_dtype: torch.dtype) -> ModelShape:
@@ -224,6 +230,8 @@ def model_shape(model: torch.nn.Module, act_dtype: torch.dtype) -> ModelShape:
     in_blocks = {id(m) for _, block in blocks for m in block.modules()}
     size = torch.empty(0, dtype=act_dtype).element_size()
     head = model.get_output_embeddings()
+    if head is not None and plain_linear(head):
+        shape.fused_head = sum(p.numel() for p in head.parameters() if p.requires_grad)
     for module in model.modules():
         if id(module) in in_blocks or module is head:
             continue
@@ -285,15 +293,17 @@ def loss_bytes(shape: ModelShape, tokens: int, supervised: int, loss_impl: str, 
                act_bytes: int) -> tuple[float, float]:
     """What the loss keeps for the backward beyond the blocks' activations, and what it adds at its peak. Full: it
     keeps the head's input and an fp32 log-softmax of every position (and holds the logits and, when they are not
-    fp32, their fp32 copy), its backward adds an fp32 gradient of the logits. Chunked: it keeps the supervised
-    positions' hidden states and fp32 log-probabilities; one chunk's logits, their fp32 form and their gradient at
-    a time (the head's input is kept either way)."""
+    fp32, their fp32 copy), its backward adds an fp32 gradient of the logits. Chunked, fused (a plain linear
+    head): it keeps the supervised positions' gradient and the head's fp32 gradient (``ModelShape.fused_head``);
+    another head: the supervised positions' hidden states and fp32 log-probabilities; either way one chunk's
+    logits, their fp32 form and their gradient at a time (the head's input is kept either way)."""
     vocab = shape.vocab
     if loss_impl == "full":
         upcast = 4 if act_bytes != 4 else 0
         return tokens * (act_bytes * shape.hidden + 4 * vocab), tokens * vocab * (act_bytes + upcast + 4)
     chunk = min(chunk_tokens, supervised)  # the head's input is still kept: the first-position check reads it
-    return (tokens * act_bytes * shape.hidden + supervised * (act_bytes * shape.hidden + 4),
+    per_position = act_bytes * shape.hidden + (0 if shape.fused_head else 4)
+    return (tokens * act_bytes * shape.hidden + supervised * per_position + 4 * shape.fused_head,
             chunk * vocab * (act_bytes + 4 + act_bytes))
 
 
