@@ -21,6 +21,7 @@ from mvp_engine.engine.config import ConfigError
 from mvp_engine.engine.expert_parallel import SPLIT_NAMES, check_expert_parallel, expert_modules, saved_whole
 
 RECIPE = "qwen3_5_moe"
+COVERS = ("EP",)  # for the coverage table (testkit.coverage)
 COMMON = ("+packing=greedy", "data.shuffle=false", "data.max_seq_len=160", "train.epochs=2",
           "train.micro_batch_size=1", "train.learning_rate=5e-3", "train.warmup_ratio=0.2",
           "train.loss_reduction=sample", "train.router_aux_loss_coef=0.01")

@@ -17,8 +17,8 @@ from ..recipe import load_recipe
 
 REPO_ROOT = CONF_DIR.parent
 # the columns, in order: what a user asks "is this tested on my model?" about
-FEATURES = ("packed == one-by-one", "encoder == processor", "LoRA", "recompute", "DDP", "FSDP2", "CP", "resume",
-            "elastic", "eval", "video")
+FEATURES = ("packed == one-by-one", "encoder == processor", "LoRA", "recompute", "DDP", "FSDP2", "CP", "EP",
+            "resume", "elastic", "eval", "video")
 TABLE_PATH = REPO_ROOT / "skills" / "vlm-packing" / "references" / "coverage.md"
 REFUSED = "refused"
 

@@ -9,9 +9,12 @@ import pytest
 
 from mvp_engine.engine.testkit.suites import DistributedSuite
 
+RECIPE = "glm4v_moe"
+COVERS = ("EP",)  # for the coverage table (testkit.coverage): the EP 2 check below
+
 
 class TestDistributed(DistributedSuite):
-    recipe = "glm4v_moe"
+    recipe = RECIPE
     overrides = ("train.router_aux_loss_coef=0.01", "train.router_bias_update_rate=0.01")
 
     @pytest.mark.slow

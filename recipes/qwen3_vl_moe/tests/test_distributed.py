@@ -10,9 +10,12 @@ import pytest
 import mvp_engine.engine.testkit as kit
 from mvp_engine.engine.testkit.suites import DistributedSuite
 
+RECIPE = "qwen3_vl_moe"
+COVERS = ("EP",)  # for the coverage table (testkit.coverage): the EP 2 check below
+
 
 class TestDistributed(DistributedSuite):
-    recipe = "qwen3_vl_moe"
+    recipe = RECIPE
     overrides = ("train.router_aux_loss_coef=0.01",)
 
     def test_two_ranks_train_what_one_rank_accumulating_two_trains(self, sharding, pretrained, tmp_path):
