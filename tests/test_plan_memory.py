@@ -93,7 +93,8 @@ def test_the_chunked_loss_keeps_less_than_the_full_one_and_levers_lower_the_tota
     full = memory_plan.plan(shape, base)
     chunked = memory_plan.plan(shape, memory_plan.Settings(**{**base.__dict__, "loss_impl": "chunked"}))
     assert full.loss > 20 * chunked.loss
-    for change in ({"sharding": "fsdp2"}, {"recompute": True}, {"cp": 2}, {"sharding": "fsdp2", "offload": "params"}):
+    for change in ({"sharding": "fsdp2"}, {"recompute": True}, {"cp": 2}, {"sharding": "fsdp2", "offload": "params"},
+                   {"offload": "optimizer"}):
         assert memory_plan.plan(shape, memory_plan.Settings(**{**base.__dict__, **change})).total < full.total, change
 
 

@@ -10,7 +10,7 @@ Vision positions per media token come from the recipe's cost profile (``flops.pl
 
     python tools/plan_memory.py --preset qwen2.5-vl-7b --world-size 8 --length 32768 [--sharding fsdp2]
         [--cp 1] [--recompute] [--loss-impl chunked|full] [--lora-r 0] [--quantization none|nf4|int8]
-        [--offload none|params] [--micro-batch 1] [--media-share 0.5] [--supervised-share 0.3]
+        [--offload none|params|optimizer] [--micro-batch 1] [--media-share 0.5] [--supervised-share 0.3]
         [--dtype float32] [--gpu-gib 80] [--levers] [--json PATH] [HYDRA_OVERRIDE ...]
 
 Prints the settings, one line per term (GiB per rank), the total against ``--gpu-gib`` and, when it does not fit,
@@ -64,6 +64,8 @@ LEVERS: tuple[tuple[str, dict, str], ...] = (
     ("train.activation_checkpointing=true", {"recompute": True}, "one more forward per step (~30 % time)"),
     ("train.sharding=fsdp2", {"sharding": "fsdp2"}, "a gather per unit per micro-batch"),
     ("train.context_parallel_size=2", {"cp": 2}, "half the data-parallel ranks, two all-to-alls per layer"),
+    ("train.offload=optimizer", {"offload": "optimizer"},
+     "each step's gradients copied to the host and parameters back, the AdamW step on the host"),
     ("train.offload=params", {"offload": "params", "sharding": "fsdp2"},
      "every unit copied from the host each pass, the optimizer step on the host"),
     ("model.lora.r=16", {"lora": True}, "trains adapters, not the model"),
@@ -138,7 +140,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--chunk-tokens", type=int, default=512)
     parser.add_argument("--lora-r", type=int, default=0)
     parser.add_argument("--quantization", choices=("none", "nf4", "int8"), default="none")
-    parser.add_argument("--offload", choices=("none", "params"), default="none", help="train.offload (FSDP2)")
+    parser.add_argument("--offload", choices=("none", "params", "optimizer"), default="none",
+                        help="train.offload (params: FSDP2)")
     parser.add_argument("--micro-batch", type=int, default=1, help="packed rows per micro-batch")
     parser.add_argument("--length", type=int, default=32768, help="packed tokens per row")
     parser.add_argument("--media-share", type=float, default=0.5, help="share of the tokens that are media tokens")
@@ -156,7 +159,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--quantization trains LoRA adapters on a quantized base: set --lora-r")
     if args.quantization != "none" and args.sharding == "fsdp2":
         parser.error("--quantization runs under DDP (model.quantization is refused under FSDP2): --sharding none")
-    if args.offload != "none" and args.sharding != "fsdp2":
+    if args.offload == "params" and args.sharding != "fsdp2":
         parser.error("--offload offloads FSDP2's shards: --sharding fsdp2")
     if min(args.world_size, args.cp, args.micro_batch, args.length, args.chunk_tokens) < 1 or \
             args.world_size % args.cp:

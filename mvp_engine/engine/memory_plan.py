@@ -12,7 +12,7 @@ What each term is, per rank:
   moments in fp32; FSDP2 divides all three by the ranks it shards over; ``train.offload=params`` moves all three
   to the host, leaving on the device the unsharded units FSDP2 gathers (the root unit: embeddings, head,
   projector, kept gathered from its forward to its backward; and the largest block twice: one computing, one
-  prefetched).
+  prefetched); ``train.offload=optimizer`` moves the optimizer state alone.
 - **saved activations**: what autograd keeps from the forward for the backward, per position of each transformer
   block (:func:`block_saved_bytes`), times the positions it sees (language-model tokens of this rank's micro-batches,
   the vision tower's patches of the media among them), plus the embeddings' output; with activation checkpointing
@@ -56,7 +56,7 @@ OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "proj", "down_proj", "fc2", "linear_
 class Settings:
     """The run's settings the plan reads: ``world_size`` ranks, ``sharding`` (none: DDP; fsdp2), ``cp`` context
     parallel ranks per row, ``recompute`` (activation checkpointing), ``loss_impl`` (full or chunked: liger and cce
-    keep about what chunked does), ``chunk_tokens``, ``offload`` (none, params), ``quantization`` (none,
+    keep about what chunked does), ``chunk_tokens``, ``offload`` (none, params, optimizer), ``quantization`` (none,
     nf4, int8: the base's linear layers when LoRA trains), ``micro_batch`` rows of ``length`` packed tokens, of
     which ``media_share`` are media tokens and ``supervised_share`` are supervised targets, activations in
     ``act_bytes`` per element (2: bf16 autocast or FSDP2's bf16 compute)."""
@@ -320,6 +320,8 @@ def plan(shape: ModelShape, settings: Settings, patches_per_media_token: float =
     optimizer = shape.trainable * ADAM_BYTES / shards
     if s.offload == "params":
         parameters, gradients, optimizer = 0.0, 0.0, 0.0
+    elif s.offload == "optimizer":  # AdamW's state on the host (host_optimizer.py)
+        optimizer = 0.0
     if s.sharding == "fsdp2":  # gathered in the compute dtype: the root unit (kept gathered from its forward to
         # its backward) and the block being computed beside the one prefetched
         parameters += (shape.root + 2 * shape.largest_unit) * s.act_bytes
