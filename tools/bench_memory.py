@@ -78,6 +78,7 @@ from mvp_engine.engine.expert_parallel import exclude_from_ddp, expert_modules, 
 from mvp_engine.engine.linear_loss import HeadInputs, chunked_token_loss
 from mvp_engine.engine.loss import weighted_token_loss
 from mvp_engine.engine.participation import dummy_passes, forward_with_media_pass, freeze_parameters, media_kinds
+from mvp_engine.engine.peak_memory import peak_added_bytes
 from mvp_engine.engine.recipe import Recipe, load_recipe
 from mvp_engine.engine.recompute import SavedForBackward, enable_activation_checkpointing
 from mvp_engine.engine.run_data import build_run_dataset
@@ -292,23 +293,6 @@ def measure_activations(recipe: Recipe, model_cfg: dict, attention: str, batch: 
 
 
 # ------------------------------------------------------------------------------------------ the loss alone
-
-
-def peak_added_bytes(step) -> int:
-    """The most bytes allocated at once while ``step()`` runs, above what was allocated before it: every CPU
-    allocation and free the profiler records (its raw ``[memory]`` events, each with its own time), added up in
-    time order. Why not the ops' memory: an op's self memory nets the frees made in its span, and a free made by
-    Python code inside a custom autograd function (a chunk's temporaries dropped) lands on that function's event,
-    which starts before the allocations it nets, so per-op sums under-count such a peak."""
-    with torch.autograd.profiler.profile(profile_memory=True, use_kineto=True) as profile:
-        step()
-    events = sorted((event.start_ns(), event.nbytes()) for event in profile.kineto_results.events()
-                    if event.name() == "[memory]" and event.device_type() == torch.autograd.DeviceType.CPU)
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    return peak
 
 
 def loss_step(impl: str, hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, chunk_tokens: int):
