@@ -24,7 +24,8 @@ def test_bench_pairs_small_run(tmp_path):
     steps = result["steps"]
     assert steps["pairs"] == 3
     rows = steps["layouts"]
-    assert rows["shared"]["rows"] == rows["duplicated"]["rows"] == 1 and rows["unpacked"]["rows"] == 6
+    assert rows["shared"]["rows"] == rows["duplicated"]["rows"] == 1 and rows["padded_batch"]["rows"] == 6
+    assert rows["pair_by_pair"]["micro_batches"] == 3 and rows["pair_by_pair"]["rows"] == 2
     assert rows["shared"]["width"] < rows["duplicated"]["width"]
     losses = [row["loss"] for row in rows.values()]
     assert all(math.isclose(loss, losses[0], rel_tol=bench.LOSS_TOL) for loss in losses), losses

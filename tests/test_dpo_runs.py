@@ -12,8 +12,11 @@ import math
 import re
 
 import pytest
+import torch
 
 from mvp_engine.engine.checkpoint import CHECKPOINTS
+from mvp_engine.engine.config import ConfigError, TrainSpec
+from mvp_engine.engine.parallel import ParallelLayout, shard_frozen
 from mvp_engine.engine.preference import METRICS
 from mvp_engine.engine.testkit.launch import read_metrics
 from mvp_engine.engine.testkit.preference import BAD_PAIRS, good_pairs
@@ -109,3 +112,12 @@ def test_dpo_refuses_what_it_cannot_do(tmp_path, pairs_file):
                    check=False)
     assert result.returncode != 0
     assert "train.objective=dpo packs each pair as one item: add +packing=greedy" in result.stdout + result.stderr
+
+
+def test_a_sharded_copy_with_split_experts_is_one_line():
+    """Under FSDP2 with experts split over ranks the copy would be sharded otherwise than the policy: refused before
+    anything is sharded, naming the keys."""
+    with pytest.raises(ConfigError, match=r"^dpo\.reference=copy with train\.sharding=fsdp2 and "
+                                          r"train\.expert_parallel_size=2 is not supported"):
+        shard_frozen(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), ParallelLayout(2, 0),
+                     TrainSpec(sharding="fsdp2", expert_parallel_size=2))

@@ -17,8 +17,11 @@ answers, at identical loss.
    - ``shared``: the pairs packed into one row, each prefix once (the engine's ``PreferenceObjective`` on the
      recipe's ``prepare_packed``, the run's attention);
    - ``duplicated``: the same, each pair as its two whole conversations (``dpo.shared_prefix=false``);
-   - ``unpacked``: each conversation its own row, padded to the longest (``prepare_padded``; TRL's concatenated
-     chosen + rejected batch), the same chunked log-prob path and ``preference_losses``.
+   - ``pair_by_pair`` (unpacked): one pair at a time, its chosen and rejected conversation as two rows padded to
+     the longer (``prepare_padded``; TRL's concatenated forward), a backward per pair, the gradients accumulated;
+   - ``padded_batch`` (unpacked): every conversation of the step its own row, padded to the longest, one backward;
+
+   the unpacked layouts through the same chunked log-prob path and ``preference_losses``.
 
    Each layout first runs one untimed step, then one step under the profiler for its peak added memory (CPU
    allocation events in time order, ``peak_memory.peak_added_bytes``: activations, the gradients, the reference
@@ -57,7 +60,8 @@ from mvp_engine.kit.mllm.data.sources import MLLMRecordError
 TARGET_TOKENS_RATIO = 1.5
 LOSS_TOL = 1e-5  # relative, fp32
 DEFAULT_OVERRIDES = {"llava": ["model.config.vision_config.image_size=224"]}  # 16 x 16 patches of 14 px
-LAYOUTS = ("shared", "duplicated", "unpacked")
+LAYOUTS = ("shared", "duplicated", "pair_by_pair", "padded_batch")
+UNPACKED = ("pair_by_pair", "padded_batch")
 BETA = 0.1
 MIB = 2**20
 
@@ -96,8 +100,8 @@ def measure_tokens(encoder, records) -> dict[str, dict[str, float]]:
 # ----------------------------------------------------------------------------------------------- the DPO step
 
 
-def step_batches(encoder, pad: int, records, count: int, max_tokens: int) -> tuple[dict[str, dict], int]:
-    """The three layouts' batches of the first ``count`` pairs with an image whose duplicated item fits
+def step_batches(encoder, pad: int, records, count: int, max_tokens: int) -> tuple[dict[str, list[dict]], int]:
+    """Each layout's micro-batches of the first ``count`` pairs with an image whose duplicated item fits
     ``max_tokens``, and how many pairs that is."""
     shared, duplicated = PairEncoder(encoder, True), PairEncoder(encoder, False)
     chosen = []
@@ -114,10 +118,13 @@ def step_batches(encoder, pad: int, records, count: int, max_tokens: int) -> tup
     if not chosen:
         raise SystemExit(f"no pair with an image fits --max-pair-tokens {max_tokens}")
     collate = MLLMCollator(pad).__call__
-    batches = {"shared": collate([MLLMPack([c[0] for c in chosen]).to_model_inputs()]),
-               "duplicated": collate([MLLMPack([c[1] for c in chosen]).to_model_inputs()]),
-               "unpacked": collate([MLLMPack([conversation]).to_model_inputs()
-                                    for c in chosen for conversation in c[2]])}
+    def rows(conversations):
+        return collate([MLLMPack([conversation]).to_model_inputs() for conversation in conversations])
+
+    batches = {"shared": [collate([MLLMPack([c[0] for c in chosen]).to_model_inputs()])],
+               "duplicated": [collate([MLLMPack([c[1] for c in chosen]).to_model_inputs()])],
+               "pair_by_pair": [rows(c[2]) for c in chosen],
+               "padded_batch": [rows([conversation for c in chosen for conversation in c[2]])]}
     return batches, len(chosen)
 
 
@@ -131,24 +138,28 @@ def padded_logprobs(recipe: Recipe, model, batch: dict, attention: str) -> PairL
     return PairLogProbs(sums[0::2], sums[1::2], counts[0::2], counts[1::2])
 
 
-def dpo_step(layout: str, recipe: Recipe, model, reference, batch: dict, attention: str,
-             spec: PreferenceSpec) -> float:
-    """One step of ``layout`` from no gradients: the reference (no grad), the policy, the loss, backward."""
+def dpo_step(layout: str, recipe: Recipe, model, reference, batches: list[dict], attention: str,
+             spec: PreferenceSpec, pairs: int) -> float:
+    """One step of ``layout`` over its micro-batches from no gradients: per micro-batch the reference (no grad),
+    the policy, its pairs' summed loss over the step's ``pairs``, backward; the step's loss."""
     model.zero_grad(set_to_none=True)
-    if layout == "unpacked":
-        with torch.no_grad():
-            ref = padded_logprobs(recipe, reference, batch, attention)
-        loss = preference_losses(padded_logprobs(recipe, model, batch, attention), ref, spec)[0].mean()
-    else:
-        part, _ = PreferenceObjective(spec, reference).loss(
-            model, batch, lambda m, b: (m(**recipe.prepare_packed(b, m, attention)), None))
-        loss = part.weighted_sum / part.weight_total
-    loss.backward()
-    return float(loss.detach())
+    total = 0.0
+    for batch in batches:
+        if layout in UNPACKED:
+            with torch.no_grad():
+                ref = padded_logprobs(recipe, reference, batch, attention)
+            loss = preference_losses(padded_logprobs(recipe, model, batch, attention), ref, spec)[0].sum() / pairs
+        else:
+            part, _ = PreferenceObjective(spec, reference).loss(
+                model, batch, lambda m, b: (m(**recipe.prepare_packed(b, m, attention)), None))
+            loss = part.weighted_sum / pairs
+        loss.backward()
+        total += float(loss.detach())
+    return total
 
 
 def measure_steps(cfg, recipe: Recipe, records, args: argparse.Namespace) -> dict:
-    """The three layouts' step on the same pairs and weights: loss, peak added bytes, best and every timed step."""
+    """Each layout's step on the same pairs and weights: loss, peak added bytes, best and every timed step."""
     specs = resolve_run_specs(cfg, recipe.attention_backends)
     processor = recipe.build_processor(cfg.model)
     batches, pairs = step_batches(recipe.build_encoder(processor), recipe.pad_token_id(processor), records,
@@ -159,17 +170,19 @@ def measure_steps(cfg, recipe: Recipe, records, args: argparse.Namespace) -> dic
     spec = PreferenceSpec(beta=BETA, reference="copy")
     out: dict = {"pairs": pairs, "attention": specs.attention, "layouts": {}}
     for layout in LAYOUTS:
-        batch = batches[layout]
-        loss = dpo_step(layout, recipe, model, reference, batch, specs.attention, spec)  # warm-up: one-off costs
-        peak = peak_added_bytes(lambda layout=layout, batch=batch: dpo_step(layout, recipe, model, reference, batch,
-                                                                            specs.attention, spec))
-        out["layouts"][layout] = {"loss": loss, "peak_bytes": peak, "times_s": [],
-                                  "rows": batch["input_ids"].shape[0], "width": batch["input_ids"].shape[1],
-                                  "slots": batch["input_ids"].numel()}
+        def step(layout=layout):
+            return dpo_step(layout, recipe, model, reference, batches[layout], specs.attention, spec, pairs)
+
+        loss = step()  # warm-up: one-off costs
+        widths = [batch["input_ids"].shape[1] for batch in batches[layout]]
+        out["layouts"][layout] = {"loss": loss, "peak_bytes": peak_added_bytes(step), "times_s": [],
+                                  "micro_batches": len(widths), "rows": batches[layout][0]["input_ids"].shape[0],
+                                  "width": max(widths),
+                                  "slots": sum(batch["input_ids"].numel() for batch in batches[layout])}
     for _ in range(args.repeats):
         for layout in LAYOUTS:
             start = time.perf_counter()
-            dpo_step(layout, recipe, model, reference, batches[layout], specs.attention, spec)
+            dpo_step(layout, recipe, model, reference, batches[layout], specs.attention, spec, pairs)
             out["layouts"][layout]["times_s"].append(time.perf_counter() - start)
     for row in out["layouts"].values():
         row["step_s"] = min(row["times_s"])
@@ -198,10 +211,13 @@ def report(recipe_name: str, tokens: dict, steps: dict | None, args: argparse.Na
                   f"attention {steps['attention']}, torch threads {args.threads}; reference forward + policy "
                   f"forward + loss + backward, best of {args.repeats} after 1 untimed step; peak added memory from "
                   "the profiler's allocation events",
-                  f"{'layout':<12}{'rows x width':>14}{'step s':>9}{'peak MiB':>10}{'loss':>12}"]
-        lines += [f"{name:<12}{str(row['rows']) + ' x ' + str(row['width']):>14}{row['step_s']:>9.3f}"
-                  f"{row['peak_bytes'] / MIB:>10.1f}{row['loss']:>12.6f}" for name, row in rows.items()]
-        for name in ("duplicated", "unpacked"):
+                  "(micro-batches x rows x width: the widest micro-batch)",
+                  f"{'layout':<14}{'batches':>16}{'slots':>8}{'step s':>9}{'peak MiB':>10}{'loss':>12}"]
+        for name, row in rows.items():
+            shape = f"{row['micro_batches']} x {row['rows']} x {row['width']}"
+            lines.append(f"{name:<14}{shape:>16}{row['slots']:>8}{row['step_s']:>9.3f}{row['peak_bytes'] / MIB:>10.1f}"
+                         f"{row['loss']:>12.6f}")
+        for name in LAYOUTS[1:]:
             lines.append(f"{name} / shared: step time {rows[name]['step_s'] / rows['shared']['step_s']:.2f}x, peak "
                          f"memory {rows[name]['peak_bytes'] / max(rows['shared']['peak_bytes'], 1):.2f}x")
         same = steps["loss_diff"] <= LOSS_TOL
