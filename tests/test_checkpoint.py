@@ -18,6 +18,7 @@ import torch
 from mvp_engine.engine.checkpoint import CHECKPOINTS, Checkpointer, RunState, resolve_resume
 from mvp_engine.engine.checkpoint_folder import check_checkpoint_folder
 from mvp_engine.engine.config import ConfigError
+from mvp_engine.engine.host_optimizer import HostAdamW
 
 
 def accelerator(rank: int = 0) -> SimpleNamespace:
@@ -26,10 +27,10 @@ def accelerator(rank: int = 0) -> SimpleNamespace:
                            wait_for_everyone=lambda: None)
 
 
-def training(seed: int):
+def training(seed: int, adamw=torch.optim.AdamW):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = adamw(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (1 + step))
     return model, optimizer, scheduler
 
@@ -46,12 +47,13 @@ def train(model, optimizer, scheduler, steps: int) -> list[float]:
     return losses
 
 
-def test_a_checkpoint_restores_the_rest_of_the_run_exactly(tmp_path):
-    reference = training(0)
+@pytest.mark.parametrize("adamw", [torch.optim.AdamW, HostAdamW])  # HostAdamW: train.offload=optimizer
+def test_a_checkpoint_restores_the_rest_of_the_run_exactly(tmp_path, adamw):
+    reference = training(0, adamw)
     train(*reference, 3)
     Checkpointer(accelerator(), tmp_path, 2, *reference).save(RunState(step=3))
     expected = train(*reference, 3)
-    resumed = training(1)  # other weights, an optimizer without state
+    resumed = training(1, adamw)  # other weights, an optimizer without state
     random.seed(7), np.random.seed(7), torch.manual_seed(7)
     state = Checkpointer(accelerator(), tmp_path, 2, *resumed).load(tmp_path / CHECKPOINTS / "step_00000003")
     assert state.step == 3
