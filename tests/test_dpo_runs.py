@@ -21,6 +21,7 @@ from mvp_engine.engine.preference import METRICS
 from mvp_engine.engine.testkit.launch import read_metrics
 from mvp_engine.engine.testkit.preference import BAD_PAIRS, good_pairs
 from mvp_engine.engine.testkit.runs import train
+from mvp_engine.engine.testkit.structure import compose_config, load_recipe
 
 BASE = ["+packing=greedy", "train.objective=dpo", "model.lora.r=4", "train.epochs=1", "data.max_seq_len=160",
         "train.warmup_ratio=0", "data.max_bad_fraction=0.5", "train.log_every=1", "dpo.beta=0.5",
@@ -93,10 +94,17 @@ def test_dpo_two_ranks_equal_one_rank_accumulating(runs, tmp_path, pairs_file, p
     """2 ranks x 1 micro-batch == 1 rank x accumulation 2: the pair count and the metrics summed over ranks.
 
     ``fsdp2_copy``: the policy sharded by FSDP2 and the reference a frozen copy sharded with the same plan
-    (``parallel.shard_frozen``): each rank holds half of the copy, said at start. The same reference run serves:
-    the copy of a policy whose fresh adapters are zero computes what that policy with its adapters off computes."""
+    (``parallel.shard_frozen``): each rank holds half of the copy, said at start. The model comes from a pretrained
+    folder holding the weights the reference run built, so rank 1 builds policy and copy without weights and both
+    receive rank 0's. The same reference run serves: the copy of a policy whose fresh adapters are zero computes
+    what that policy with its adapters off computes."""
     shape = ["train.micro_batch_size=1", "train.gradient_accumulation_steps=1"]
-    extra = ["train.sharding=fsdp2", "dpo.reference=copy"] if parallel == "fsdp2_copy" else []
+    extra = []
+    if parallel == "fsdp2_copy":
+        recipe, cfg = load_recipe("llava"), compose_config("llava")
+        recipe.build_model(cfg.model, "sdpa").save_pretrained(tmp_path / "pretrained")
+        recipe.build_processor(cfg.model).save_pretrained(tmp_path / "pretrained")
+        extra = ["train.sharding=fsdp2", "dpo.reference=copy", f"model.pretrained={tmp_path / 'pretrained'}"]
     result = train("llava", tmp_path / "ranks", [*BASE, *shape, *extra, f"data.sources=[{pairs_file}]"], nproc=2)
     _same_steps(_records(tmp_path / "ranks"), _records(runs / "two"))
     if parallel == "fsdp2_copy":
