@@ -59,11 +59,12 @@ from PIL import Image
 
 TOOL = Path(__file__).resolve()
 RECIPE = "qwen2_vl"
-SHARDS_FORMAT = 2  # bump when the shards written change: a reused --workdir then writes them again
+SHARDS_FORMAT = 3  # bump when the shards written change: a reused --workdir then writes them again
 PROJECT_RECORDS = 100_000_000
 PROJECT_RANKS = 64
 PROJECT_SHARD_RECORDS = 5_000  # the issue's shards: 2 M records in 400
 IMAGES = 24
+DISTINCT = 8  # shards written record by record; the others are hard links to them in turn
 IMAGE_SHARE = 0.85
 WORDS = ("the a of to in on with what is are there color image picture person man woman dog cat car street table "
          "left right top bottom large small red blue green white black two three sitting standing holding near "
@@ -73,20 +74,34 @@ WORDS = ("the a of to in on with what is are there color image picture person ma
 # ------------------------------------------------------------------------------------------- synthetic shards
 
 
-def write_shards(folder: Path, records: int, shards: int, seed: int) -> str:
-    """``records`` records of ``bench_data``'s mix in ``shards`` tar shards (written once, reused); their brace
-    pattern."""
-    target = folder / f"shards-{records}-{shards}-seed{seed}-v{SHARDS_FORMAT}"
+def shard_pattern(folder: Path, shards: int, count: int | None = None) -> str:
+    """The brace pattern of the first ``count`` (all) of ``shards`` shards written into ``folder``."""
     width = len(str(shards - 1))
-    pattern = str(target / f"shard-{{{0:0{width}d}..{shards - 1:0{width}d}}}.tar")
+    return str(folder / f"shard-{{{0:0{width}d}..{(count or shards) - 1:0{width}d}}}.tar")
+
+
+def write_shards(folder: Path, records: int, shards: int, seed: int, distinct: int = DISTINCT) -> str:
+    """``records`` records of ``bench_data``'s mix in ``shards`` tar shards (written once, reused); their brace
+    pattern. Past the first ``distinct`` shards, shard ``s`` is a hard link to shard ``s % distinct`` (its own
+    path, so its own identity, index and cache entry, as a copy would be): writing 2 M records one by one would
+    take ~10 min here, linking takes a second. Linked shards need ``records`` a multiple of ``shards``."""
+    target = folder / f"shards-{records}-{shards}-seed{seed}-d{distinct}-v{SHARDS_FORMAT}"
+    width = len(str(shards - 1))
+    pattern = shard_pattern(target, shards)
     if (target / "done").is_file():
         return pattern
+    if shards > distinct and records % shards:
+        raise SystemExit(f"--records {records} is no multiple of --shards {shards} (shards past --distinct "
+                         f"{distinct} are links to the first ones, so every shard holds as many records)")
     shutil.rmtree(target, ignore_errors=True)
     target.mkdir(parents=True)
     rng = np.random.default_rng([seed, SHARDS_FORMAT])
     images = _images(rng)
     per_shard = -(-records // shards)
     for s in range(shards):
+        if s >= distinct:
+            os.link(target / f"shard-{s % distinct:0{width}d}.tar", target / f"shard-{s:0{width}d}.tar")
+            continue
         with tarfile.open(target / f"shard-{s:0{width}d}.tar", "w") as tar:
             for k in range(min(per_shard, records - s * per_shard)):
                 key = f"{s * per_shard + k:09d}"
@@ -105,11 +120,12 @@ def write_shards(folder: Path, records: int, shards: int, seed: int) -> str:
 
 
 def _images(rng: np.random.Generator) -> list[tuple[str, bytes]]:
-    """``IMAGES`` encoded images of varied sizes, flat colours: (extension, bytes)."""
+    """``IMAGES`` small encoded images of varied sizes (64 to 448 pixels a side), flat colours: (extension,
+    bytes)."""
     images = []
     for k in range(IMAGES):
-        width = int(rng.integers(64, 1025))
-        height = int(np.clip(width / rng.uniform(0.5, 2.0), 64, 1024))
+        width = int(rng.integers(64, 449))
+        height = int(np.clip(width / rng.uniform(0.5, 2.0), 64, 448))
         extension, kind = (("jpg", "JPEG"), ("png", "PNG"), ("webp", "WEBP"))[k % 3]
         buffer = io.BytesIO()
         Image.new("RGB", (width, height), tuple(int(c) for c in rng.integers(0, 256, 3))).save(buffer, format=kind)
@@ -153,18 +169,25 @@ def phase_main(spec_path: str) -> None:
     specs = resolve_run_specs(cfg, recipe.attention_backends)
     encoder = recipe.build_encoder(recipe.build_processor(cfg.model))
     measured: list[str] = []
-    measure = encoder.measure
+    # the measure pass calls the encoder's measure_batch where it has one (chat.py), else measure
+    name = "measure_batch" if hasattr(encoder, "measure_batch") else "measure"
+    measure = getattr(encoder, name)
 
-    def counted(record):
-        measured.append(record.origin)
-        return measure(record)
+    def counted(records):
+        measured.extend(record.origin for record in (records if name == "measure_batch" else [records]))
+        return measure(records)
 
-    encoder.measure = counted
+    setattr(encoder, name, counted)
+    if spec.get("fill"):
+        started = time.perf_counter()
+        dataset = build_run_dataset(specs, encoder, cost_profile=None, rank=rank, world_size=world_size)
+        fill_main(spec, dataset, encoder, time.perf_counter() - started)
+        return
     cpu = _cpu_seconds()
     started = time.perf_counter()
     dataset = build_run_dataset(specs, encoder, cost_profile=None, rank=rank, world_size=world_size)
     opened = time.perf_counter()
-    _ = dataset.metas
+    tokens = int(dataset.metas.length.sum())
     done = time.perf_counter()
     cpu = _cpu_seconds() - cpu
     packs = len(dataset.plan(0).packs)
@@ -181,9 +204,27 @@ def phase_main(spec_path: str) -> None:
         "start_s": planned - started, "cpu_s": cpu, "records": len(dataset.records), "measured": len(measured),
         "measured_distinct": len(set(measured)), "shards_measured": shards,
         "per_shard_counts": {s: sum(o.startswith(s + "#") for o in measured) for s in shards},
-        "packs": packs, "again_s": again_s, "bad_records": dataset.bad_records.count,
+        "packs": packs, "tokens": tokens, "again_s": again_s, "bad_records": dataset.bad_records.count,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "anon_bytes": anon_bytes()}))
+
+
+def fill_main(spec: dict, dataset, encoder, open_s: float) -> None:
+    """The cache of the whole shard set from the cold sample's: every shard indexed (the store is open: timed by
+    the caller), then each shard past the sample given the measure entry of the sample shard it is a link of (the
+    same bytes, so the same measured table a measure would write, under its own key)."""
+    from mvp_engine.kit.mllm.data.measure import encoder_fingerprint, entry_folders
+
+    started = time.perf_counter()
+    folders = entry_folders(dataset.records, encoder_fingerprint(encoder), spec["cache"])
+    copied = 0
+    for number, folder in enumerate(folders):
+        twin = folders[number % spec["fill"]["distinct"]]
+        if number >= spec["fill"]["sample"] and not folder.exists():
+            shutil.copytree(twin, folder)
+            copied += 1
+    Path(spec["result"]).write_text(json.dumps({"copied": copied, "entries": len(folders), "open_s": open_s,
+                                                "copy_s": time.perf_counter() - started}))
 
 
 # ------------------------------------------------------------------------------------------------ the parent
@@ -193,8 +234,8 @@ def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def run_ranks(name: str, ranks: int, source: str, cache: Path, workdir: Path, args: argparse.Namespace
-              ) -> list[dict]:
+def run_ranks(name: str, ranks: int, source: str, cache: Path, workdir: Path, args: argparse.Namespace,
+              fill: dict | None = None) -> list[dict]:
     """``ranks`` phase processes at once (``RANK``, ``WORLD_SIZE`` set); each one's result, or ``{"error": ...}``."""
     (workdir / "logs").mkdir(parents=True, exist_ok=True)
     (workdir / "phases").mkdir(exist_ok=True)
@@ -202,6 +243,7 @@ def run_ranks(name: str, ranks: int, source: str, cache: Path, workdir: Path, ar
     started = time.perf_counter()
     for rank in range(ranks):
         spec = {"source": source, "cache": str(cache), "max_seq_len": args.max_seq_len, "again": name == "warm",
+                "fill": fill,
                 "result": str(workdir / "phases" / f"{name}-{rank}.result.json")}
         spec_path = workdir / "phases" / f"{name}-{rank}.json"
         spec_path.write_text(json.dumps(spec))
@@ -241,69 +283,89 @@ def check_once(results: list[dict], records: int, shards: int) -> dict:
             "shards": shards, "shards_per_rank": [len(r["shards_measured"]) for r in results]}
 
 
-def report(args: argparse.Namespace, cold1: list[dict], cold2: list[dict], warm: list[dict], entries: dict,
-           write_s: float) -> dict:
-    failed = [r["error"] for r in (*cold1, *cold2, *warm) if "error" in r]
+def report(args: argparse.Namespace, cold1: list[dict], cold2: list[dict], fill: list[dict] | None,
+           warm: list[dict], entries: dict, write_s: float) -> dict:
+    failed = [r["error"] for r in (*cold1, *cold2, *(fill or []), *warm) if "error" in r]
     if failed:
         return {"error": failed}
     one, [w] = cold1[0], warm
     records, shards = args.records, args.shards
+    sample_records, sample_shards = one["records"], args.cold_shards or shards
     two_wall = max(r["started_at"] + r["start_s"] for r in cold2) - min(r["started_at"] for r in cold2)
     two_measure = max(r["measure_s"] for r in cold2)
-    per_record = one["measure_s"] / records
+    per_record = one["measure_s"] / sample_records
     efficiency = one["measure_s"] / two_measure / 2
     project_shards = args.project_records / args.project_shard_records
     per_shard_warm = w["again_s"] / shards  # a warm start's cost per shard, imports and fixed costs aside
     projection = {
-        "per_record_ms": 1e3 * per_record, "per_shard_s": per_record * records / shards,
+        "per_record_ms": 1e3 * per_record, "per_shard_s": per_record * sample_records / sample_shards,
         "two_rank_efficiency": efficiency,
         "cold_measure_h_ideal": args.project_records * per_record / args.project_ranks / 3600,
         "cold_measure_h_at_measured_efficiency": args.project_records * per_record / args.project_ranks
         / min(1.0, efficiency) / 3600,
         # a rank with a core of its own: the CPU time a record cost, whatever else ran on the cores
-        "cold_measure_h_at_cpu_cost": args.project_records * one["cpu_s"] / records / args.project_ranks / 3600,
+        "cold_measure_h_at_cpu_cost": args.project_records * one["cpu_s"] / sample_records / args.project_ranks
+        / 3600,
         "warm_start_s": w["start_s"] - w["again_s"] + per_shard_warm * project_shards, "shards": project_shards,
         "warm_per_shard_ms": 1e3 * per_shard_warm}
     rows = [("cold, 1 rank", one["start_s"], one["open_s"], one["measure_s"], one["cpu_s"],
-             records / one["measure_s"], one["peak_rss_bytes"],
-             f"{len(one['shards_measured'])} shards, {one['measured']} records"),
+             sample_records / one["measure_s"], one["peak_rss_bytes"],
+             f"{len(one['shards_measured'])} shards, {one['measured']:,} records"),
             *[(f"cold, 2 ranks: rank {r['rank']}", r["start_s"], r["open_s"], r["measure_s"], r["cpu_s"],
                r["measured"] / r["measure_s"] if r["measure_s"] else 0.0, r["peak_rss_bytes"],
-               f"{len(r['shards_measured'])} shards, {r['measured']} records") for r in cold2],
+               f"{len(r['shards_measured'])} shards, {r['measured']:,} records") for r in cold2],
             ("cold, 2 ranks together", two_wall, max(r["open_s"] for r in cold2), two_measure,
-             sum(r["cpu_s"] for r in cold2), records / two_measure, max(r["peak_rss_bytes"] for r in cold2),
+             sum(r["cpu_s"] for r in cold2), sample_records / two_measure, max(r["peak_rss_bytes"] for r in cold2),
              f"entries by rank {entries}"),
-            ("warm, 1 rank", w["start_s"], w["open_s"], w["measure_s"], w["cpu_s"], 0.0, w["peak_rss_bytes"],
-             f"{w['measured']} records measured")]
-    lines = [f"{records:,} records in {shards} WebDataset shards ({records // shards:,} a shard), recipe {RECIPE}, "
-             f"max_seq_len {args.max_seq_len}; shards written in {write_s:.1f} s; load average at the end "
-             f"{os.getloadavg()[0]:.2f} (2 cores, shared)",
+            ("warm, 1 rank, every shard", w["start_s"], w["open_s"], w["measure_s"], w["cpu_s"], 0.0,
+             w["peak_rss_bytes"], f"{w['measured']} records measured, {w['records']:,} records, {w['packs']:,} "
+             f"packs; process {w['process_s']:.1f} s with imports")]
+    sample = "" if sample_shards == shards else (
+        f"; cold measures on the first {sample_shards} shards ({sample_records:,} records), the other "
+        f"{shards - sample_shards} shards' cache entries copied from the sample shard each is a link of "
+        f"({fill[0]['copied']} entries in {fill[0]['copy_s']:.1f} s; opening the whole set, which indexes every "
+        f"shard not yet indexed, {fill[0]['open_s']:.1f} s)")
+    targets = {"warm_start_s": (w["start_s"], args.target_warm_s),
+               "warm_rss_gib": (w["peak_rss_bytes"] / 2**30, args.target_rss_gib)}
+    lines = [f"{records:,} records in {shards} WebDataset shards ({records // shards:,} a shard; shards past the "
+             f"first {min(args.distinct, shards)} are hard links to them), recipe {RECIPE}, max_seq_len "
+             f"{args.max_seq_len}; shards written in {write_s:.1f} s{sample}; load average at the start "
+             f"{args.load_at_start:.2f}, at the end {os.getloadavg()[0]:.2f} (2 cores, shared)",
              "| phase | start s | open s | measure s | CPU s | records/s | peak RSS MiB | measured |",
              "|---|---|---|---|---|---|---|---|",
              *[f"| {name} | {start:.1f} | {opened:.1f} | {measure:.1f} | {cpu:.1f} | {rate:,.0f} | "
                f"{rss / 2**20:,.0f} | {what} |" for name, start, opened, measure, cpu, rate, rss, what in rows],
              f"2 ranks vs 1: measure {one['measure_s'] / two_measure:.2f}x faster (efficiency {efficiency:.0%}); "
              f"rank shares {[len(r['shards_measured']) for r in cold2]} shards",
+             *[f"target {name} < {limit:g}: {value:.2f} {'OK' if value < limit else 'MISS'}"
+               for name, (value, limit) in targets.items()],
              f"projection to {args.project_records:,} records ({project_shards:,.0f} shards of "
              f"{args.project_shard_records:,}) on {args.project_ranks} ranks, one measuring process each: "
              f"{projection['per_record_ms']:.2f} ms a record measured (wall), "
-             f"{1e3 * one['cpu_s'] / records:.2f} ms of CPU; cold measure "
+             f"{1e3 * one['cpu_s'] / sample_records:.2f} ms of CPU; cold measure "
              f"{projection['cold_measure_h_at_cpu_cost']:.2f} h at the CPU cost (a core per rank), "
              f"{projection['cold_measure_h_ideal']:.2f} h at this wall cost, "
              f"{projection['cold_measure_h_at_measured_efficiency']:.2f} h at this wall cost and the measured 2-rank "
              "efficiency; "
              f"warm start {projection['warm_start_s']:.0f} s (this warm start's fixed part plus "
-             f"{projection['warm_per_shard_ms']:.0f} ms a shard, its repeat's cost per shard of {records // shards:,} "
+             f"{projection['warm_per_shard_ms']:.1f} ms a shard, its repeat's cost per shard of {records // shards:,} "
              "records, times the shards)"]
-    checks = {"cold_1": check_once(cold1, records, shards), "cold_2": check_once(cold2, records, shards),
+    checks = {"cold_1": check_once(cold1, sample_records, sample_shards),
+              "cold_2": check_once(cold2, sample_records, sample_shards),
               "warm_measured_none": w["measured"] == 0,
-              "same_packs": len({r["packs"] for r in (*cold1, *cold2, *warm)}) == 1}
+              # every shard is a link of one of the first ``distinct``: the whole set's tokens are the sample's times
+              # the shards over the sample, when both hold each distinct shard equally often
+              "warm_tokens": w["tokens"] == one["tokens"] * shards // sample_shards
+              if shards % args.distinct == sample_shards % args.distinct == 0 else None,
+              "same_packs": len({r["packs"] for r in (*cold1, *cold2, *(warm if sample_shards == shards else []))})
+              == 1}
     lines.append(f"checks: each record measured once on 1 rank {checks['cold_1']['ok']}, on 2 ranks "
                  f"{checks['cold_2']['ok']}; warm start measured none {checks['warm_measured_none']}; every start "
-                 f"planned the same packs {checks['same_packs']}")
+                 f"over the same shards planned the same packs {checks['same_packs']}; the whole set's tokens "
+                 f"{w['tokens']:,} are the sample's times {shards / sample_shards:g} {checks['warm_tokens']}")
     print("\n".join(lines))
-    return {"lines": lines, "projection": projection, "checks": checks, "cold_1": cold1, "cold_2": cold2,
-            "warm": warm}
+    return {"lines": lines, "projection": projection, "checks": checks, "targets": targets, "cold_1": cold1,
+            "cold_2": cold2, "fill": fill, "warm": warm}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -317,6 +379,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--project-ranks", type=int, default=PROJECT_RANKS)
     parser.add_argument("--project-shard-records", type=int, default=PROJECT_SHARD_RECORDS)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--distinct", type=int, default=DISTINCT, help="shards written; the rest link to them")
+    parser.add_argument("--cold-shards", type=int, default=None,
+                        help="measure cold on the first N shards only (at least --distinct); default all")
+    parser.add_argument("--target-warm-s", type=float, default=30.0)
+    parser.add_argument("--target-rss-gib", type=float, default=2.0)
     parser.add_argument("--phase", default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -326,20 +393,30 @@ def main(argv: list[str] | None = None) -> dict | None:
     if args.phase:
         phase_main(args.phase)
         return None
+    args.load_at_start = os.getloadavg()[0]
+    sample = args.cold_shards or args.shards
+    if not min(args.distinct, args.shards) <= sample <= args.shards:
+        raise SystemExit(f"--cold-shards {sample}: at least --distinct {args.distinct} (their cache entries fill "
+                         f"the linked shards') and at most --shards {args.shards}")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench_shards-"))
     try:
         started = time.perf_counter()
-        source = write_shards(workdir, args.records, args.shards, args.seed)
+        source = write_shards(workdir, args.records, args.shards, args.seed, args.distinct)
         write_s = time.perf_counter() - started
         progress(f"shards: {source} ({write_s:.1f} s)")
+        cold_source = shard_pattern(Path(source).parent, args.shards, sample)
         caches = {name: workdir / "caches" / name for name in ("cold-1", "cold-2")}
         for cache in caches.values():
             shutil.rmtree(cache, ignore_errors=True)
-        cold1 = run_ranks("cold-1", 1, source, caches["cold-1"], workdir, args)
-        cold2 = run_ranks("cold-2", 2, source, caches["cold-2"], workdir, args)
+        cold1 = run_ranks("cold-1", 1, cold_source, caches["cold-1"], workdir, args)
+        cold2 = run_ranks("cold-2", 2, cold_source, caches["cold-2"], workdir, args)
         entries = entries_by_rank(caches["cold-2"])
+        fill = None
+        if sample < args.shards:
+            fill = run_ranks("fill", 1, source, caches["cold-2"], workdir, args,
+                             fill={"distinct": args.distinct, "sample": sample})
         warm = run_ranks("warm", 1, source, caches["cold-2"], workdir, args)
-        result = report(args, cold1, cold2, warm, entries, write_s)
+        result = report(args, cold1, cold2, fill, warm, entries, write_s)
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=1))
         return result

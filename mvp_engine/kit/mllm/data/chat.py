@@ -37,13 +37,14 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from jinja2 import TemplateError
 from PIL import Image
 
 from .images import load_image, read_image_size
 from .media import IMAGES, VIDEOS, MediaKind
-from .sample import IGNORE_INDEX, MLLMRecord, MLLMSample, SampleMeta, first_supervised_index
+from .sample import IGNORE_INDEX, MLLMRecord, MLLMSample, SampleMeta, first_supervised_index, measure_each
 from .sources import MLLMRecordError
 from .store import digest
 from .video import VideoInfo, read_video_info
@@ -80,15 +81,15 @@ class ChatTemplateEncoder:
         self._placeholders = [("image", self.image_token, self.image_token_id)]
         if self.video_token:
             self._placeholders.append(("video", self.video_token, self.video_token_id))
-        self._placeholder_ids = torch.tensor([token_id for _, _, token_id in self._placeholders])
+        self._placeholder_ids = np.asarray([token_id for _, _, token_id in self._placeholders], dtype=np.int64)
         # what the template renders per medium, replaced by the medium's text
         self._parts = {self.image_part or self.image_token: "image"}
         if self.video_token:
             self._parts[self.video_part or self.video_token] = "video"
         self._placeholder_split = re.compile("|".join(re.escape(part) for part in self._parts))
-        self._unsupervised_ids = torch.tensor(
-            [*self._placeholder_ids.tolist(), *(processor.token_id(token) for token in self.unsupervised_tokens)]
-        )
+        self._unsupervised_ids = np.asarray(
+            [*self._placeholder_ids.tolist(), *(processor.token_id(token) for token in self.unsupervised_tokens)],
+            dtype=np.int64)
         self._special_tokens = sorted(set(self.tokenizer.all_special_tokens))
 
     @property
@@ -167,7 +168,8 @@ class ChatTemplateEncoder:
         video_media, video_counts = self._encode_media(record, "video", self.encode_videos, videos)
         media.update(video_media)
         counts = {"image": image_counts, "video": video_counts}
-        input_ids, labels = self._layout(record, counts, videos)
+        ids, labels = self._layout(record, counts, videos)
+        input_ids, labels = torch.from_numpy(ids), torch.from_numpy(labels)
         return MLLMSample(
             input_ids=input_ids,
             labels=labels,
@@ -175,34 +177,72 @@ class ChatTemplateEncoder:
             media=media,
             num_media=len(image_counts) + len(video_counts),
             media_tokens=sum(image_counts) + sum(video_counts),
-            media_end=self._media_end(input_ids),
+            media_end=self._media_end(ids),
             media_sq=self._media_sq(counts, videos),
             token_fields=self._token_types(input_ids),
             media_kinds=self.media_kinds,
         )
 
     def measure(self, record: MLLMRecord) -> SampleMeta:
-        input_ids, labels, counts, videos = self._measured_layout(record)
-        return SampleMeta(length=int(input_ids.numel()), num_media=len(counts["image"]) + len(counts["video"]),
-                          media_end=self._media_end(input_ids), first_supervised=first_supervised_index(labels),
-                          media_tokens=sum(counts["image"]) + sum(counts["video"]),
-                          media_sq=self._media_sq(counts, videos))
+        [meta] = self._measure_batch([record])
+        if isinstance(meta, MLLMRecordError):
+            raise meta
+        return meta
+
+    def measure_batch(self, records: list[MLLMRecord]) -> list[SampleMeta | MLLMRecordError]:
+        """``measure`` of each record, or the bad record's error in its place. The measure pass calls this per
+        batch of rows: their texts are tokenized in one tokenizer call, not one call each (a call costs about as
+        much in ``transformers`` as the fast tokenizer's own work on a record's text). An encoder whose ``measure``
+        is its own (a subclass's, or one set on the instance) is asked record by record."""
+        if getattr(self.measure, "__func__", None) is not ChatTemplateEncoder.measure:
+            return measure_each(self, records)
+        return self._measure_batch(records)
+
+    def _measure_batch(self, records: list[MLLMRecord]) -> list[SampleMeta | MLLMRecordError]:
+        """:meth:`measure_batch` by this class's own measure."""
+        texts: list = []
+        for record in records:
+            try:
+                texts.append(self._measured_text(record))
+            except MLLMRecordError as err:
+                texts.append(err)
+        tokenized = iter(self._tokenize([text[0] for text in texts if not isinstance(text, MLLMRecordError)]))
+        metas: list[SampleMeta | MLLMRecordError] = []
+        for record, text in zip(records, texts):
+            if isinstance(text, MLLMRecordError):
+                metas.append(text)
+                continue
+            full, spans, counts, videos = text
+            try:
+                input_ids, labels = self._labelled(record, counts, *next(tokenized), spans)
+            except MLLMRecordError as err:
+                metas.append(err)
+                continue
+            metas.append(SampleMeta(length=len(input_ids), num_media=len(counts["image"]) + len(counts["video"]),
+                                    media_end=self._media_end(input_ids),
+                                    first_supervised=first_supervised_index(labels),
+                                    media_tokens=sum(counts["image"]) + sum(counts["video"]),
+                                    media_sq=self._media_sq(counts, videos)))
+        return metas
 
     def layout(self, record: MLLMRecord) -> tuple[torch.Tensor, torch.Tensor]:
         """The token ids and labels ``encode`` gives ``record``, from text and media headers alone (no pixel): what
         a preference pair's encoder (``pairs.PairEncoder``) compares its two conversations by."""
-        input_ids, labels, _, _ = self._measured_layout(record)
-        return input_ids, labels
+        full, spans, counts, _ = self._measured_text(record)
+        [(ids, offsets)] = self._tokenize([full])
+        input_ids, labels = self._labelled(record, counts, ids, offsets, spans)
+        return torch.from_numpy(input_ids), torch.from_numpy(labels)
 
     # ------------------------------------------------------------------------------------------------- helpers
 
-    def _measured_layout(self, record: MLLMRecord):
+    def _measured_text(self, record: MLLMRecord):
+        """The rendered text, assistant spans, media token counts and videos of ``record``, from text and media
+        headers alone."""
         self._validate(record)
         videos = [self._video_info(record, part) for part in record.parts("video")]
         counts = {"image": [self._header_token_count(record, path) for path in record.image_paths],
                   "video": [self._metadata_token_count(record, info) for info in videos]}
-        input_ids, labels = self._layout(record, counts, videos)
-        return input_ids, labels, counts, videos
+        return (*self._text(record, counts, videos), counts, videos)
 
     def _validate(self, record: MLLMRecord) -> None:
         if not isinstance(record.messages, list) or not record.messages:
@@ -294,13 +334,19 @@ class ChatTemplateEncoder:
     def _assistant_spans(self, messages: list[dict], counts: dict[str, list[int]],
                          videos: list[VideoInfo]) -> tuple[str, list[tuple[int, int]]]:
         """The full rendering and the character span (content + turn end) of every assistant turn."""
-        full = self._render(messages, counts, videos)
+        renders = {len(messages): self._render(messages, counts, videos)}  # by prefix length: each rendered once
+
+        def render(length: int) -> str:
+            if length not in renders:
+                renders[length] = self._render(messages[:length], counts, videos)
+            return renders[length]
+
+        full = renders[len(messages)]
         spans = []
         for k, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            before = self._render(messages[:k], counts, videos)
-            through = self._render(messages[: k + 1], counts, videos)
+            before, through = render(k), render(k + 1)
             header = through.find(self.assistant_header, len(before))
             if not full.startswith(through) or not through.startswith(before) or header < 0:
                 raise ValueError("chat template is not prefix-stable; cannot locate assistant turns")
@@ -312,26 +358,46 @@ class ChatTemplateEncoder:
         return full, spans
 
     def _layout(self, record: MLLMRecord, counts: dict[str, list[int]],
-                videos: list[VideoInfo]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token ids and labels: a token is supervised when its characters lie inside an assistant span."""
+                videos: list[VideoInfo]) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids and labels (int64 arrays): a token is supervised when its characters lie inside an assistant
+        span."""
+        full, spans = self._text(record, counts, videos)
+        [(ids, offsets)] = self._tokenize([full])
+        return self._labelled(record, counts, ids, offsets, spans)
+
+    def _text(self, record: MLLMRecord, counts: dict[str, list[int]],
+              videos: list[VideoInfo]) -> tuple[str, list[tuple[int, int]]]:
+        """:meth:`_assistant_spans` of the record, a template that fails being a bad record."""
         try:
-            full, spans = self._assistant_spans(record.messages, counts, videos)
+            return self._assistant_spans(record.messages, counts, videos)
         except (ValueError, TemplateError) as err:  # TemplateError: the template's own raise_exception (Gemma 3:
             # roles must alternate)
             raise self._bad(record, str(err), "template_error") from err
-        encoded = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-        input_ids = torch.tensor(encoded["input_ids"], dtype=torch.long)
-        offsets = torch.tensor(encoded["offset_mapping"], dtype=torch.long).view(-1, 2)
-        supervised = torch.zeros(input_ids.numel(), dtype=torch.bool)
+
+    def _tokenize(self, texts: list[str]) -> list[tuple[list[int], list]]:
+        """``(token ids, character offsets)`` of each text, in one tokenizer call."""
+        if not texts:
+            return []
+        encoded = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+        return list(zip(encoded["input_ids"], encoded["offset_mapping"]))
+
+    def _labelled(self, record: MLLMRecord, counts: dict[str, list[int]], ids: list[int], offsets: list,
+                  spans: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids and labels of a tokenized text (numpy: a handful of tiny torch ops cost more than the rest of a
+        record's measure); its placeholder counts checked against the media's."""
+        input_ids = np.asarray(ids, dtype=np.int64)
+        offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+        supervised = np.zeros(len(input_ids), dtype=bool)
         for start, end in spans:
             supervised |= (offsets[:, 0] >= start) & (offsets[:, 1] <= end) & (offsets[:, 1] > offsets[:, 0])
-        supervised &= ~torch.isin(input_ids, self._unsupervised_ids)
-        labels = torch.where(supervised, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
-        types = self.placeholder_types(input_ids)
+        supervised &= ~np.isin(input_ids, self._unsupervised_ids)
+        labels = np.where(supervised, input_ids, IGNORE_INDEX)
+        found = np.bincount(self.placeholder_types(torch.from_numpy(input_ids)).numpy(),
+                            minlength=len(self._placeholders) + 1)
         for code, (kind, token, _) in enumerate(self._placeholders, start=1):
-            found, needed = int((types == code).sum()), sum(counts[kind])
-            if found != needed:
-                raise self._bad(record, f"{found} {kind} tokens in the text but the {kind}s need {needed} "
+            found_kind, needed = int(found[code]), sum(counts[kind])
+            if found_kind != needed:
+                raise self._bad(record, f"{found_kind} {kind} tokens in the text but the {kind}s need {needed} "
                                 f"(a literal {token} in a text part?)", TOKEN_MISMATCH[kind])
         return input_ids, labels
 
@@ -368,9 +434,9 @@ class ChatTemplateEncoder:
             types[input_ids == token_id] = code
         return types
 
-    def _media_end(self, input_ids: torch.Tensor) -> int:
-        positions = torch.isin(input_ids, self._placeholder_ids).nonzero()
-        return int(positions[-1]) + 1 if positions.numel() else 0
+    def _media_end(self, input_ids: np.ndarray) -> int:
+        positions = np.flatnonzero(np.isin(input_ids, self._placeholder_ids))
+        return int(positions[-1]) + 1 if positions.size else 0
 
 
 class FixedImageTokens:

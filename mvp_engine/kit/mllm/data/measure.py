@@ -42,7 +42,7 @@ from filelock import FileLock, Timeout
 
 from .bad_records import BadRecordReport
 from .members import is_member_path
-from .sample import MLLMRecord, MLLMSample, MLLMSampleEncoder, SampleMeta
+from .sample import MLLMRecord, MLLMSample, MLLMSampleEncoder, SampleMeta, measure_each
 from .share import run_shares
 from .sources import MLLMRecordError
 from .store import RecordStore, SourceRows, digest
@@ -141,10 +141,7 @@ def measure_store(store: RecordStore, encoder: MLLMSampleEncoder, report: BadRec
              for parts in store.parts for part in parts]
     folders = [None] * len(units)
     if fingerprint is not None:
-        root = Path(cache_dir or default_cache_dir()) / "measure"
-        folders = [root / digest([MEASURE_FORMAT, part.identity, fingerprint, measure.rows.image_root,
-                                  sorted(measure.rows.media_roots), store.allow_leading_assistant,
-                                  store.max_record_bytes]) for part, measure, _ in units]
+        folders = entry_folders(store, fingerprint, cache_dir)
         shared = [(part.table, measure, folder) for (part, measure, sharded), folder in zip(units, folders)
                   if sharded and part.num_rows]
         run_shares(functools.partial(_claim, shared), len(shared), rank, world_size, workers)
@@ -168,6 +165,15 @@ def measure_store(store: RecordStore, encoder: MLLMSampleEncoder, report: BadRec
     return metas
 
 
+def entry_folders(store: RecordStore, fingerprint: str, cache_dir: str | os.PathLike | None = None) -> list[Path]:
+    """The measure cache entry of every part of ``store`` (``store.parts``, flattened), for an encoder of this
+    ``fingerprint``: what a part's measured table is keyed by (see the module's docstring)."""
+    root = Path(cache_dir or default_cache_dir()) / "measure"
+    return [root / digest([MEASURE_FORMAT, part.identity, fingerprint, part.rows.image_root,
+                           sorted(part.rows.media_roots), store.allow_leading_assistant, store.max_record_bytes])
+            for parts in store.parts for part in parts]
+
+
 class _Measure:
     """The ``datasets.map`` function: one batch of rows -> meta columns, verdict columns, media paths."""
 
@@ -178,23 +184,34 @@ class _Measure:
 
     def __call__(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
         out: dict[str, list] = {name: [] for name in (*META_COLUMNS, *BAD_COLUMNS, "media")}
+        rows: list[tuple[MLLMRecord | MLLMRecordError, list[str]]] = []
         for origin, raw in self.rows.raw_records(batch, indices):
-            stage, media = "read", []
             try:
                 if isinstance(raw, MLLMRecordError):
                     raise raw
                 record = self.rows.parse(raw, origin, self.allow_leading_assistant)
                 # a shard's members are covered by the shard's identity (the cache key), not watched one by one
-                media, stage = [p for p in record.media_paths if not is_member_path(p)], "measure"
-                meta = self.encoder.measure(record)
-                values, verdict = tuple(getattr(meta, name) for name in META_COLUMNS), (None,) * 4
+                rows.append((record, [p for p in record.media_paths if not is_member_path(p)]))
             except MLLMRecordError as err:
-                media = [err.media_path] if err.media_path else media
-                values, verdict = (0,) * len(META_COLUMNS), (stage, err.reason, str(err), err.record_id)
+                rows.append((err, [err.media_path] if err.media_path else []))
+        measured = iter(self._measure([record for record, _ in rows if not isinstance(record, MLLMRecordError)]))
+        for record, media in rows:
+            stage, meta = ("read", record) if isinstance(record, MLLMRecordError) else ("measure", next(measured))
+            if isinstance(meta, MLLMRecordError):
+                media = [meta.media_path] if meta.media_path else media
+                values, verdict = (0,) * len(META_COLUMNS), (stage, meta.reason, str(meta), meta.record_id)
+            else:
+                values, verdict = tuple(getattr(meta, name) for name in META_COLUMNS), (None,) * 4
             for name, value in zip((*META_COLUMNS, *BAD_COLUMNS), (*values, *verdict)):
                 out[name].append(value)
             out["media"].append(media)
         return out
+
+    def _measure(self, records: list[MLLMRecord]) -> list[SampleMeta | MLLMRecordError]:
+        """Each record's meta or its error: by the encoder's ``measure_batch`` where it has one (a whole batch at
+        once, ``chat.ChatTemplateEncoder``), else record by record."""
+        measure_batch = getattr(self.encoder, "measure_batch", None)
+        return measure_each(self.encoder, records) if measure_batch is None else measure_batch(records)
 
 
 def _features():
@@ -221,7 +238,13 @@ def _cached_map(make_table, measure: _Measure, folder: Path, workers: int, wait:
     and its media are unchanged, else measured into it; one process at a time (the others wait, then read).
     ``wait=False``: None at once when another process holds it; ``read=False``: True instead of the table (the
     shard share's claim). A hit reads the Arrow files memory-mapped, without a ``datasets.Dataset`` (~10 ms each,
-    what a warm start of thousands of shards would otherwise spend)."""
+    what a warm start of thousands of shards would otherwise spend), and without the lock where the entry watches no
+    media file (a tar shard's: its media are members, covered by its key): ``done.json`` is written last, and such
+    an entry is never measured again under the same key."""
+    if read and (folder / DONE).is_file():  # an entry that watches no media file never changes: read without a lock
+        entry = json.loads((folder / DONE).read_text())
+        if not entry.get("media", 1):
+            return _read_entry(folder, entry)
     folder.parent.mkdir(parents=True, exist_ok=True)
     lock = FileLock(str(folder) + ".lock")
     try:
@@ -238,11 +261,7 @@ def _cached_map(make_table, measure: _Measure, folder: Path, workers: int, wait:
             # an entry that watches no media file (a tar shard's media are members) skips reading its empty table
             changed = _changed_media(folder / MEDIA) if entry.get("media", 1) else 0
             if not changed:
-                if not read:
-                    return True
-                files = entry["files"]
-                return pa.concat_tables([pa.ipc.open_stream(pa.memory_map(str(folder / f))).read_all()
-                                         for f in files])
+                return _read_entry(folder, entry) if read else True
             print(f"{measure.rows.name}: {changed} media file(s) changed since they were measured; measuring again",
                   flush=True)
         shutil.rmtree(folder, ignore_errors=True)
@@ -250,11 +269,18 @@ def _cached_map(make_table, measure: _Measure, folder: Path, workers: int, wait:
         measured = _run_map(make_table(), measure, folder, workers)
         media = _write_media(measured.data.table, folder / MEDIA)
         files = [os.path.relpath(f["filename"], folder) for f in measured.cache_files]
-        done.write_text(json.dumps({"files": files, "rows": len(measured), "media": media,
-                                    "measured_by": measured_by()}))
+        partial = folder / (DONE + ".partial")  # published by rename: a reader without the lock sees it whole
+        partial.write_text(json.dumps({"files": files, "rows": len(measured), "media": media,
+                                       "measured_by": measured_by()}))
+        os.replace(partial, done)
         return measured.data.table if read else True
     finally:
         lock.release()
+
+
+def _read_entry(folder: Path, entry: dict) -> pa.Table:
+    """A complete cache entry's measured table, its Arrow files memory-mapped."""
+    return pa.concat_tables([pa.ipc.open_stream(pa.memory_map(str(folder / f))).read_all() for f in entry["files"]])
 
 
 def _claim(units: list[tuple], order: list[int]) -> None:

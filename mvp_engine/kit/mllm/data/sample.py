@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -75,10 +76,10 @@ class SampleMeta:
     media_sq: int = 0
 
 
-def first_supervised_index(labels: torch.Tensor) -> int:
-    """:attr:`SampleMeta.first_supervised` of a label row."""
-    supervised = (labels[1:] != IGNORE_INDEX).nonzero()
-    return int(supervised[0]) + 1 if supervised.numel() else int(labels.numel())
+def first_supervised_index(labels: torch.Tensor | np.ndarray) -> int:
+    """:attr:`SampleMeta.first_supervised` of a label row (a tensor, or the numpy array the measure pass has)."""
+    supervised = np.flatnonzero(np.asarray(labels[1:]) != IGNORE_INDEX)
+    return int(supervised[0]) + 1 if supervised.size else len(labels)
 
 
 @dataclass
@@ -155,12 +156,28 @@ class MLLMSample:
         )
 
 
+def measure_each(encoder: MLLMSampleEncoder, records: list[MLLMRecord]) -> list[SampleMeta | Exception]:
+    """``encoder.measure`` of each record, or the bad record's error (``MLLMRecordError``) in its place: what an
+    encoder's optional ``measure_batch`` returns."""
+    from .sources import MLLMRecordError
+
+    metas: list[SampleMeta | Exception] = []
+    for record in records:
+        try:
+            metas.append(encoder.measure(record))
+        except MLLMRecordError as err:
+            metas.append(err)
+    return metas
+
+
 @runtime_checkable
 class MLLMSampleEncoder(Protocol):
     """What a recipe implements to turn records into samples.
 
     ``measure`` must return exactly the length and media count that ``encode`` will produce, reading image
-    sizes from file headers only, so that a whole epoch can be planned without decoding an image.
+    sizes from file headers only, so that a whole epoch can be planned without decoding an image. An encoder may
+    also have ``measure_batch(records)``, returning what :func:`measure_each` does (the measure pass then hands it
+    a batch of records at once, e.g. to tokenize them in one call).
     """
 
     def encode(self, record: MLLMRecord) -> MLLMSample: ...
