@@ -12,7 +12,7 @@ answers, at identical loss.
 2. One DPO step of the first ``--step-pairs`` pairs that carry an image and fit ``--max-pair-tokens`` (duplicated),
    the recipe's model (its tiny config with the overrides; fp32, seeded), sigmoid DPO against a frozen reference
    (the same model built from the next seed): reference forward (no grad) + policy forward + the loss + backward,
-   in three layouts of the same pairs:
+   in four layouts of the same pairs:
 
    - ``shared``: the pairs packed into one row, each prefix once (the engine's ``PreferenceObjective`` on the
      recipe's ``prepare_packed``, the run's attention);
