@@ -11,13 +11,17 @@ each loss's formula pair by pair."""
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
-from mvp_engine.engine.config import LoraSpec
+from mvp_engine.engine.config import LoraSpec, TrainSpec
 from mvp_engine.engine.device import DEVICE_ENV
+from mvp_engine.engine.parallel import ParallelLayout, shard_frozen
 from mvp_engine.engine.preference import (
     PreferenceObjective,
     PreferenceSpec,
@@ -186,3 +190,33 @@ def test_more_families(records, name, backend, shared):
     """Qwen3-VL's M-RoPE (interleaved sections, timestamps) with the prefix shared; Gemma 3 (sliding windows,
     bidirectional image blocks) with it duplicated, the layout its run takes."""
     check_dpo_step(name, backend, PreferenceSpec(beta=0.5, shared_prefix=shared), records)
+
+
+def test_a_sharded_copy_computes_what_the_whole_copy_computes(records, tmp_path):
+    """``dpo.reference=copy`` under FSDP2 (``parallel.shard_frozen``, on a 1-process gloo group here; 2 ranks in
+    tests/test_dpo_runs.py): every parameter of the copy a frozen DTensor shard; the pairs' reference log-probs
+    equal the unsharded copy's; after the pass the copy holds shards only again (FSDP2 would keep its root, the
+    embeddings and the head, gathered for a backward the copy never runs)."""
+    recipe, model_cfg = load_recipe("llava"), compose_config("llava").model
+    processor = recipe.build_processor(model_cfg)
+    model = recipe.build_model(model_cfg, "sdpa")
+    batch = collate_rows([[PairEncoder(recipe.build_encoder(processor)).encode(r) for r in records]],
+                         recipe.pad_token_id(processor))
+    spec = PreferenceSpec(reference="copy")
+
+    def forward(m, b):
+        return m(**recipe.prepare_packed(b, m, "sdpa")), None
+
+    whole = PreferenceObjective(spec, frozen_copy(model)).reference_logprobs(model, batch, forward, nullcontext, 16)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        copy = frozen_copy(model)
+        shard_frozen(copy, ParallelLayout(1, 0, mesh=init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))),
+                     TrainSpec(sharding="fsdp2"))
+        assert all(isinstance(p, DTensor) and not p.requires_grad for p in copy.parameters())
+        sharded = PreferenceObjective(spec, copy).reference_logprobs(model, batch, forward, nullcontext, 16)
+        assert all(isinstance(p, DTensor) for p in copy.parameters()), "the root stays gathered"
+    finally:
+        torch.distributed.destroy_process_group()
+    for name in ("chosen", "rejected"):
+        torch.testing.assert_close(getattr(sharded, name), getattr(whole, name), rtol=1e-6, atol=1e-5)

@@ -127,5 +127,5 @@ def test_a_sharded_copy_with_split_experts_is_one_line():
     anything is sharded, naming the keys."""
     with pytest.raises(ConfigError, match=r"^dpo\.reference=copy with train\.sharding=fsdp2 and "
                                           r"train\.expert_parallel_size=2 is not supported"):
-        shard_frozen(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), ParallelLayout(2, 0),
+        shard_frozen(torch.nn.Linear(2, 2), ParallelLayout(2, 0),
                      TrainSpec(sharding="fsdp2", expert_parallel_size=2))

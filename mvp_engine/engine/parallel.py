@@ -178,7 +178,7 @@ def parallelize(model, layout: ParallelLayout, train: TrainSpec, recipe=None, ac
         if weights_from_rank0:
             load_full_state_dict(model, full, () if split is None else split.names)
         if frozen is not None:
-            shard_frozen(frozen, model, layout, train, full if weights_from_rank0 else None)
+            shard_frozen(frozen, layout, train, full if weights_from_rank0 else None)
     else:
         if split is not None:
             exclude_from_ddp(model, split)
@@ -190,11 +190,10 @@ def parallelize(model, layout: ParallelLayout, train: TrainSpec, recipe=None, ac
     return model
 
 
-def shard_frozen(frozen: torch.nn.Module, policy: torch.nn.Module, layout: ParallelLayout, train: TrainSpec,
-                 full: dict | None = None) -> None:
+def shard_frozen(frozen: torch.nn.Module, layout: ParallelLayout, train: TrainSpec, full: dict | None = None) -> None:
     """``frozen`` (a frozen copy of the policy, ``dpo.reference=copy``) sharded in place with the policy's FSDP2
     plan: the same units over the same mesh, mixed precision and offload (``shard_model``), so a rank holds 1/N of
-    it as of the policy. ``full``: rank 0's state dict when the other ranks built the model without its weights (their
+    it, as of the policy. ``full``: rank 0's state dict when the other ranks built the model without its weights (their
     copy is as empty as their policy was), broadcast into the copy's shards as into the policy's. As the policy's, the
     root unit stays gathered after its forward (the head is applied after it, ``linear_loss.HeadInputs``); the copy
     runs no backward to reshard it, so ``PreferenceObjective`` reshards it once its log-probs are taken.
