@@ -2,10 +2,16 @@
 
 Checked: the written shards are WebDataset shards the DataKit reads back as the mix's records (image records with
 their image as a member of their key, placed by extension), written once and reused; the check of a cold start
-fails when a record was measured twice or a shard split between ranks. Timings are never asserted.
+fails when a record was measured twice or a shard split between ranks; shards past the distinct ones are links to
+them. Timings are never asserted.
 """
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
 
 from mvp_engine.kit.mllm.data import MLLMDataSpec
 from mvp_engine.kit.mllm.data.dataset import MLLMDataKit
@@ -24,6 +30,16 @@ def test_written_shards_hold_the_mix_with_images_as_members(tmp_path):
     assert 0 < len(with_image) < 30 and all(len(r.image_paths) == 1 for r in with_image)
     assert all(r.image_paths[0].startswith(f"{files[int(r.record_id[4:]) // 10]}#") for r in with_image)  # a member
     assert bench_shards.write_shards(tmp_path, records=30, shards=3, seed=0) == pattern  # reused
+
+
+def test_shards_past_the_distinct_ones_are_links_to_them_with_their_own_path(tmp_path):
+    pattern = bench_shards.write_shards(tmp_path, records=12, shards=4, seed=0, distinct=2)
+    files = shard_files(pattern)[1]
+    assert [Path(f).read_bytes() for f in files[2:]] == [Path(f).read_bytes() for f in files[:2]]
+    assert os.path.samefile(files[3], files[1]) and not os.path.samefile(files[2], files[1])
+    assert bench_shards.shard_pattern(Path(files[0]).parent, 4, 2).endswith("shard-{0..1}.tar")
+    with pytest.raises(SystemExit, match="no multiple of --shards"):  # linked shards must hold as many records
+        bench_shards.write_shards(tmp_path, records=13, shards=4, seed=0, distinct=2)
 
 
 def result(rank: int, shards: list[str], measured: int, distinct: int) -> dict:

@@ -33,7 +33,7 @@ from mvp_engine.engine.config import ConfigError, resolve_run_specs
 from mvp_engine.engine.run_identity import check_identity, run_identity
 from mvp_engine.engine.testkit.runs import run_on_ranks
 from mvp_engine.engine.trainer import Trainer
-from mvp_engine.kit.mllm.data import MLLMDataSpec, MLLMPackingSpec, MLLMRecordError, source_kind
+from mvp_engine.kit.mllm.data import MLLMDataSpec, MLLMPackingSpec, MLLMRecordError, shards, source_kind
 from mvp_engine.kit.mllm.data.bad_records import BadRecordReport
 from mvp_engine.kit.mllm.data.dataset import MLLMDataKit
 from mvp_engine.kit.mllm.data.measure import measure_store
@@ -187,6 +187,41 @@ def test_check_data_names_each_bad_member_by_shard_and_key(rows, tmp_path):
         f"{shard}#absent": ("missing_image", "read"), f"{shard}#cut": ("corrupt_image", "decode"),
         f"{shard}#tail": ("truncated_member", "read")}
     assert report.records_read == 7
+
+
+@pytest.mark.parametrize("form", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+def test_the_index_reads_plain_headers_as_tarfile_does_and_leaves_tarfile_the_rest(form, tmp_path):
+    """A shard's members are read from its headers directly (``shards._plain_members``) where every header is a
+    plain one, whole or cut short anywhere, and are then exactly ``tarfile``'s; a long or non-ASCII name (pax / GNU
+    headers), a bad checksum or a header cut short is left to ``tarfile``."""
+    def shard(name: str, members: list[tuple[str, bytes | None]]) -> bytes:
+        with tarfile.open(tmp_path / name, "w", format=form) as tar:
+            for member, data in members:
+                if data is None:
+                    folder = tarfile.TarInfo(member)
+                    folder.type = tarfile.DIRTYPE
+                    tar.addfile(folder)
+                else:
+                    add_member(tar, member, data)
+        return (tmp_path / name).read_bytes()
+
+    def members(data: bytes) -> tuple[list | None, list]:
+        (tmp_path / "read.tar").write_bytes(data)
+        return shards._plain_members(str(tmp_path / "read.tar"), len(data)), \
+            list(shards._tarfile_members(str(tmp_path / "read.tar")))
+
+    plain = shard("plain.tar", [("a/0.json", b"{}"), ("dir", None), ("0.png", b"x" * 700), ("1.json", b"[]")])
+    for cut in (len(plain), 512 * 4, 512 * 4 + 100, 512 * 6 - 5, 512 * 7):  # whole, or cut in a member's data
+        fast, slow = members(plain[:cut])
+        assert fast == slow and len(fast) == (3 if cut == len(plain) else 2 if cut < 512 * 7 else 3)
+    damaged = bytearray(plain)
+    damaged[512 * 6 + 10] ^= 0xFF  # the last member's header no longer checks out
+    for data in (plain[:512 * 6 + 300], bytes(damaged)):  # that header cut short, or damaged
+        fast, slow = members(data)
+        assert fast is None and slow == members(plain)[1][:2]
+    for name in ("x" * 120 + "/k.json", "ключ.json"):
+        fast, slow = members(shard("odd.tar", [("0.json", b"{}"), (name, b"{}")]))
+        assert slow[-1][0] == name and fast in (None, slow)
 
 
 class CountingEncoder(FakeEncoder):
