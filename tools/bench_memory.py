@@ -102,6 +102,9 @@ LOSS_VOCABS = (151936, 262144)
 LOSS_LENGTHS = (4096, 8192, 16384, 32768)
 LOSS_IMPLS = ("full", "chunked")
 TARGET_CHUNKED_PEAK_GIB = 1.0  # at the longest length and the largest vocabulary
+# full's computed bytes must fit this to run: 24 GiB (this machine's whole memory, shared) let full at 8k x 262k
+# (exactly 24 GiB computed) start, and the kernel killed the bench
+LOSS_BUDGET_GIB = 16.0
 TARGET_CHUNKED_TIME_RATIO = 1.10  # chunked step time over full's, where full fits
 FULL_BYTES_PER_LOGIT = 12  # fp32 logits, the log-softmax cross-entropy keeps, the logits' gradient
 # --step: a whole training step of the widened model at a packed length, full vs chunked loss, and its target
@@ -602,7 +605,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--lengths", type=int, nargs="+", default=list(LOSS_LENGTHS), help="--loss: lengths")
     parser.add_argument("--loss-hidden", type=int, default=64, help="--loss: the hidden size the head projects")
     parser.add_argument("--chunk-tokens", type=int, default=TrainSpec.loss_chunk_tokens, help="--loss: chunk")
-    parser.add_argument("--budget-gib", type=float, default=24.0, help="--loss: full runs only where it fits")
+    parser.add_argument("--budget-gib", type=float, default=LOSS_BUDGET_GIB,
+                        help="--loss: full runs only where its computed bytes fit")
     parser.add_argument("--step", action="store_true", help="a whole training step, full vs chunked loss")
     parser.add_argument("--step-length", type=int, default=STEP_LENGTH, help="--step: packed tokens")
     parser.add_argument("--step-vocab", type=int, default=STEP_VOCAB, help="--step: the widened vocabulary")
