@@ -390,7 +390,7 @@ class ChatTemplateEncoder:
         supervised = np.zeros(len(input_ids), dtype=bool)
         for start, end in spans:
             supervised |= (offsets[:, 0] >= start) & (offsets[:, 1] <= end) & (offsets[:, 1] > offsets[:, 0])
-        supervised &= ~np.isin(input_ids, self._unsupervised_ids)
+        supervised &= ~_any_of(input_ids, self._unsupervised_ids)
         labels = np.where(supervised, input_ids, IGNORE_INDEX)
         found = np.bincount(self.placeholder_types(torch.from_numpy(input_ids)).numpy(),
                             minlength=len(self._placeholders) + 1)
@@ -435,8 +435,13 @@ class ChatTemplateEncoder:
         return types
 
     def _media_end(self, input_ids: np.ndarray) -> int:
-        positions = np.flatnonzero(np.isin(input_ids, self._placeholder_ids))
+        positions = np.flatnonzero(_any_of(input_ids, self._placeholder_ids))
         return int(positions[-1]) + 1 if positions.size else 0
+
+
+def _any_of(ids: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Which ids are among a handful of ``values``: ``np.isin`` without its sort, ~10x cheaper on a record's ids."""
+    return (ids[:, None] == values).any(axis=1)
 
 
 class FixedImageTokens:
