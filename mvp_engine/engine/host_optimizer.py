@@ -6,15 +6,17 @@ them to the host frees that much device memory at the price of copying each grad
 parameter back once per optimizer step. ``train.offload=params`` (FSDP2's ``CPUOffloadPolicy``) moves more, the
 parameters and gradients too, and copies every unit in for each forward and backward.
 
-Why not an existing one: torchao's ``CPUOffloadOptimizer`` is built for one CUDA device (CUDA streams, pinned
-buffers), is not among this project's packages, and cannot run on the CPU where the project is tested; torch 2.13
-has none. So, minimally: :class:`HostAdamW` is torch's ``AdamW`` over the model's own parameters (its state dict,
-the DCP helpers and every resume see the model's parameters as any optimizer's), with one host copy of each
-parameter (a ``DTensor`` shard stays a shard, on the host) that receives the parameter and its gradient before
-each step; torch's AdamW steps those copies, creating and keeping its state beside them on the host, and the
-updated values are copied back into the device parameters. Loading a state dict goes through the host copies too,
-so a resume never puts the state on the device. The copies are plain blocking ones: nothing overlaps the update
-with the next forward (ZeRO-Offload's one-step delay and pinned buffers are left out).
+Why not an existing one: torchao's ``CPUOffloadOptimizer`` is for single-GPU training (it asserts a CUDA or XPU
+device and copies on a side stream from pinned buffers, so it cannot run on the CPU where the project is tested),
+builds one optimizer per parameter over host copies with a state dict of its own (DCP's resume by parameter name
+could not map it), and is not among this project's packages; torch 2.13 has none. So, minimally: :class:`HostAdamW`
+is torch's ``AdamW`` over the model's own parameters (its state dict, the DCP helpers and every resume see the
+model's parameters as any optimizer's), with one host copy of each parameter (a ``DTensor`` shard stays a shard, on
+the host) that receives the parameter and its gradient before each step; torch's AdamW steps those copies, creating
+and keeping its state beside them on the host, and the updated values are copied back into the device parameters.
+Loading a state dict goes through the host copies too, so a resume never puts the state on the device. The copies
+are plain blocking ones: nothing overlaps the update with the next forward (ZeRO-Offload's one-step delay and pinned
+buffers are left out).
 
 On a CPU-only machine host and device are the same memory: the copies run and the arithmetic is torch's AdamW on
 the same values, so a run trains exactly what it trains without offload (tests/test_distributed_matrix.py); what
