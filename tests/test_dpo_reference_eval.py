@@ -26,7 +26,7 @@ from mvp_engine.engine.evaluate import evaluate
 from mvp_engine.engine.evaluation import NOTHING_DECODED, describe, eval_metrics, pair_eval_metrics
 from mvp_engine.engine.preference import METRICS
 from mvp_engine.engine.testkit.launch import read_metrics, read_summary
-from mvp_engine.engine.testkit.preference import BAD_PAIRS, good_pairs
+from mvp_engine.engine.testkit.preference import write_pairs
 from mvp_engine.engine.testkit.runs import train
 from mvp_engine.engine.testkit.structure import compose_config, load_recipe
 
@@ -40,11 +40,7 @@ EVAL_METRICS = ("eval_loss", *(f"eval_{key}" for key in METRICS))
 
 @pytest.fixture(scope="module")
 def pairs_file(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("dpo_pairs")
-    rows = [{**pair, "id": f"{pair['id']}-{k}"} for k in range(3) for pair in good_pairs(folder)]
-    path = folder / "pairs.jsonl"
-    path.write_text("".join(json.dumps(row) + "\n" for row in [*rows, *BAD_PAIRS.values()]))
-    return path
+    return write_pairs(tmp_path_factory.mktemp("dpo_pairs"), bad=True, copies=3)
 
 
 @pytest.fixture(scope="module")

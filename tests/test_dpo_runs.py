@@ -19,7 +19,7 @@ from mvp_engine.engine.config import ConfigError, TrainSpec
 from mvp_engine.engine.parallel import ParallelLayout, shard_frozen
 from mvp_engine.engine.preference import METRICS
 from mvp_engine.engine.testkit.launch import read_metrics
-from mvp_engine.engine.testkit.preference import BAD_PAIRS, good_pairs
+from mvp_engine.engine.testkit.preference import BAD_PAIRS, write_pairs
 from mvp_engine.engine.testkit.runs import train
 from mvp_engine.engine.testkit.structure import compose_config, load_recipe
 
@@ -30,11 +30,7 @@ BASE = ["+packing=greedy", "train.objective=dpo", "model.lora.r=4", "train.epoch
 
 @pytest.fixture(scope="module")
 def pairs_file(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("dpo_pairs")
-    rows = [{**pair, "id": f"{pair['id']}-{k}"} for k in range(3) for pair in good_pairs(folder)]
-    path = folder / "pairs.jsonl"
-    path.write_text("".join(json.dumps(row) + "\n" for row in [*rows, *BAD_PAIRS.values()]))
-    return path
+    return write_pairs(tmp_path_factory.mktemp("dpo_pairs"), bad=True, copies=3)
 
 
 def _records(run_dir):

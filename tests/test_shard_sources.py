@@ -161,12 +161,12 @@ def test_a_shard_source_trains_the_packs_and_steps_of_the_same_records_in_jsonl(
     assert summary["totals"] == reference["totals"] and summary["losses"] == reference["losses"]
 
 
-def test_check_data_names_each_bad_member_by_shard_and_key(rows, tmp_path):
-    """A shard with one of each bad member: invalid JSON, a key without a record, a medium that is no member and
-    no file, an image whose body does not decode, and a last member cut short by the end of the file."""
+def write_bad_members(shard: Path, rows: list[dict]) -> Path:
+    """A shard with one of each bad member between good ones: invalid JSON, a key without a record, a medium that
+    is no member and no file, an image whose body does not decode; its last member, ``tail``, a good text record
+    (the tests cut it short)."""
     image_row, text_row = rows[0], rows[1]
     png = Path(image_row["image"]).read_bytes()
-    shard = tmp_path / "bad.tar"
     with tarfile.open(shard, "w") as tar:
         add_member(tar, "good.json", json.dumps({**image_row, "image": "good.png"}).encode())
         add_member(tar, "good.png", png)
@@ -177,6 +177,13 @@ def test_check_data_names_each_bad_member_by_shard_and_key(rows, tmp_path):
         add_member(tar, "cut.png", png[:len(png) // 2])
         add_member(tar, "text.json", json.dumps(text_row).encode())
         add_member(tar, "tail.json", json.dumps(text_row).encode())
+    return shard
+
+
+def test_check_data_names_each_bad_member_by_shard_and_key(rows, tmp_path):
+    """A shard with one of each bad member: invalid JSON, a key without a record, a medium that is no member and
+    no file, an image whose body does not decode, and a last member cut short by the end of the file."""
+    shard = write_bad_members(tmp_path / "bad.tar", rows)
     data = shard.read_bytes()
     end = data.index(b"tail.json") + 512 + 4  # the last member's header and 4 bytes of its data
     shard.write_bytes(data[:end])
@@ -305,21 +312,9 @@ def test_a_resume_over_a_shard_pattern_is_refused_once_a_shard_is_added(rows, tm
 
 def test_check_data_names_each_bad_member_of_an_energon_source_by_shard_and_key(rows, tmp_path):
     """Energon's index, not a scan of the tar, says where members lie; a bad one is named as a tar shard's is."""
-    image_row, text_row = rows[0], rows[1]
-    png = Path(image_row["image"]).read_bytes()
     folder = tmp_path / "prepared"
     folder.mkdir()
-    shard = folder / "bad.tar"
-    with tarfile.open(shard, "w") as tar:
-        add_member(tar, "good.json", json.dumps({**image_row, "image": "good.png"}).encode())
-        add_member(tar, "good.png", png)
-        add_member(tar, "broken.json", b'{"conversations": [')
-        add_member(tar, "orphan.png", png)
-        add_member(tar, "absent.json", json.dumps({**image_row, "id": "absent", "image": "nowhere.png"}).encode())
-        add_member(tar, "cut.json", json.dumps({**image_row, "id": "cut", "image": None}).encode())
-        add_member(tar, "cut.png", png[:len(png) // 2])
-        add_member(tar, "text.json", json.dumps(text_row).encode())
-        add_member(tar, "tail.json", json.dumps(text_row).encode())
+    shard = write_bad_members(folder / "bad.tar", rows)
     prepare_energon(folder, ["bad.tar"], [])
     data = shard.read_bytes()
     shard.write_bytes(data[:data.index(b"tail.json") + 512 + 4])  # cut short after preparing: the index outlives it

@@ -16,7 +16,6 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from transformers.models.glm4v.image_processing_pil_glm4v import smart_resize
 
 from mvp_engine.kit.mllm.data.video import VideoInfo
@@ -29,12 +28,6 @@ class Glm4vVideoProcessor(GridPatchVideoProcessor):
 
     min_pixels: int = 112 * 112
     max_pixels: int = 28 * 28 * 2 * 30000
-    fps: float = 2.0
-    patch_size: int = 14
-    merge_size: int = 2
-    temporal_patch_size: int = 2
-    image_mean: tuple[float, ...] = tuple(OPENAI_CLIP_MEAN)
-    image_std: tuple[float, ...] = tuple(OPENAI_CLIP_STD)
     max_duration: float = 300.0
 
     video_processor_type = "Glm4vVideoProcessor"

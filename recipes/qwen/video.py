@@ -36,7 +36,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from mvp_engine.kit.mllm.data.video import VideoInfo
@@ -47,14 +46,6 @@ from mvp_engine.kit.mllm.data.video_patches import GridPatchVideoProcessor
 class QwenVideoProcessor(GridPatchVideoProcessor):
     """``Qwen2VLVideoProcessor``'s frame sampling and per-frame size on the kit's grid-patch layout."""
 
-    min_pixels: int = 128 * 28 * 28
-    max_pixels: int = 768 * 28 * 28
-    fps: float = 2.0
-    patch_size: int = 14
-    merge_size: int = 2
-    temporal_patch_size: int = 2
-    image_mean: tuple[float, ...] = tuple(OPENAI_CLIP_MEAN)
-    image_std: tuple[float, ...] = tuple(OPENAI_CLIP_STD)
     min_frames: int = 4
     max_frames: int = 768
 

@@ -35,10 +35,13 @@ def good_pairs(directory: Path) -> list[dict]:
     ]
 
 
-def write_pairs(directory: Path, suffix: str = ".jsonl", bad: bool = False) -> Path:
-    """:func:`good_pairs` (then ``BAD_PAIRS`` with ``bad``) as ``pairs<suffix>`` (``.json``, ``.jsonl``, ``.parquet``)
-    in ``directory``."""
-    rows = good_pairs(directory) + (list(BAD_PAIRS.values()) if bad else [])
+def write_pairs(directory: Path, suffix: str = ".jsonl", bad: bool = False, copies: int = 1) -> Path:
+    """:func:`good_pairs` (``copies`` times over, ids ``<id>-<k>`` when more than once; then ``BAD_PAIRS`` with
+    ``bad``) as ``pairs<suffix>`` (``.json``, ``.jsonl``, ``.parquet``) in ``directory``."""
+    good = good_pairs(directory)
+    if copies > 1:
+        good = [{**pair, "id": f"{pair['id']}-{k}"} for k in range(copies) for pair in good]
+    rows = good + (list(BAD_PAIRS.values()) if bad else [])
     path = directory / f"pairs{suffix}"
     if suffix == ".jsonl":
         path.write_text("".join(json.dumps(row) + "\n" for row in rows))

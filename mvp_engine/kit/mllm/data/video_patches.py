@@ -28,6 +28,9 @@ from .media import VIDEOS
 from .video import VideoInfo, load_video_frames
 
 CONFIG_NAME = "video_preprocessor_config.json"  # transformers' file name and keys, so real checkpoints read too
+# OpenAI CLIP's normalisation (transformers' OPENAI_CLIP_MEAN / _STD), the grid-patch towers' usual one
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 def normalize_frames(pixels: np.ndarray, mean: Sequence[float], std: Sequence[float]) -> np.ndarray:
@@ -53,16 +56,19 @@ class GridPatchVideoProcessor(ABC):
     """A grid-patch tower's videos: ``frame_indices`` (which frames) and ``frame_size`` (what size) are the
     model's, a subclass's; the grid, the token count, the decoding and the layout are here. Every field is a plain
     number, so the ``repr`` states everything a video's token count depends on (the measure cache keys on it).
-    ``video_processor_type`` is the class name transformers writes into the config file."""
+    ``video_processor_type`` is the class name transformers writes into the config file. The defaults are the
+    layout's usual ones (Qwen2-VL's: 14-pixel patches, 2 x 2 merge, 2-frame temporal patches, CLIP's mean and
+    std); a recipe's processor takes the patch sizes, mean and std of its image processor anyway
+    (``builders.grid_video_processor``)."""
 
-    min_pixels: int
-    max_pixels: int
-    fps: float
-    patch_size: int
-    merge_size: int
-    temporal_patch_size: int
-    image_mean: tuple[float, ...]
-    image_std: tuple[float, ...]
+    min_pixels: int = 128 * 28 * 28
+    max_pixels: int = 768 * 28 * 28
+    fps: float = 2.0
+    patch_size: int = 14
+    merge_size: int = 2
+    temporal_patch_size: int = 2
+    image_mean: tuple[float, ...] = CLIP_MEAN
+    image_std: tuple[float, ...] = CLIP_STD
 
     video_processor_type: ClassVar[str]
 
