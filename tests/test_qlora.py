@@ -1,11 +1,10 @@
 """``model.quantization`` (QLoRA): the base of the layers LoRA adapts in NF4 / int8 (bitsandbytes), adapters on top.
 
 Always checked: the config refuses a quantized base without adapters and an unknown scheme, and a run asking for
-it without bitsandbytes installed stops with one line naming the extra. With bitsandbytes installed (the optional
-``qlora`` extra; 0.50 runs its 4-bit and 8-bit layers on the CPU through a torch fallback): the adapted layers are
-4-bit, and a packed micro-batch of the Qwen2.5-VL case computes what its samples one by one compute (logits,
-loss, the adapters' gradients) on the 4-bit base. A machine without the extra skips that case and says why; the
-default suite (``.[dev]``) does not install it.
+it without bitsandbytes installed stops with one line naming the extra. With bitsandbytes (the optional ``qlora``
+extra, which the dev extra installs; 0.50 runs its 4-bit and 8-bit layers on the CPU through a torch fallback): the
+adapted layers are 4-bit, and a packed micro-batch of the Qwen2.5-VL case computes what its samples one by one
+compute (logits, loss, the adapters' gradients) on the 4-bit base.
 """
 
 from __future__ import annotations
@@ -44,7 +43,10 @@ def test_without_bitsandbytes_the_run_stops_naming_the_extra(monkeypatch):
 
 @pytest.fixture(scope="module")
 def bitsandbytes():
-    return pytest.importorskip("bitsandbytes", reason="bitsandbytes (the optional qlora extra) is not installed")
+    """The dev extra installs the qlora extra, so a missing bitsandbytes fails here rather than skipping."""
+    import bitsandbytes
+
+    return bitsandbytes
 
 
 def test_packed_equals_one_by_one_on_a_4bit_base(bitsandbytes, tmp_path_factory):
