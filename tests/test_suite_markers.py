@@ -44,3 +44,18 @@ def test_a_recipe_override_of_the_distributed_check_gets_its_markers():
 
     assert inherited_markers(TestDistributed, "test_two_ranks_train_what_one_rank_accumulating_two_trains") == [
         "launch", "slow"]
+
+
+def test_modules_with_launches_or_slow_tests_are_handed_out_first_in_their_own_order():
+    """xdist's loadscope deals whole modules in collection order: the long ones go first (conftest)."""
+    from types import SimpleNamespace
+
+    from conftest import long_modules_first
+
+    def item(nodeid: str, *markers: str):
+        return SimpleNamespace(nodeid=nodeid, get_closest_marker=lambda name: name if name in markers else None)
+
+    items = [item("a.py::t1"), item("b.py::t1"), item("b.py::T::t2", "launch"), item("c.py::t1", "slow"),
+             item("a.py::t2"), item("d.py::t1")]
+    long_modules_first(items)
+    assert [i.nodeid for i in items] == ["b.py::t1", "b.py::T::t2", "c.py::t1", "a.py::t1", "a.py::t2", "d.py::t1"]
