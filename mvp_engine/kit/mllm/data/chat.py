@@ -378,7 +378,9 @@ class ChatTemplateEncoder:
         """``(token ids, character offsets)`` of each text, in one tokenizer call."""
         if not texts:
             return []
-        encoded = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+        # verbose=False: a record longer than the tokenizer's model_max_length is measured, then the packing spec
+        # admits, truncates or names it; transformers' "will result in indexing errors" warning would mislead
+        encoded = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
         return list(zip(encoded["input_ids"], encoded["offset_mapping"]))
 
     def _labelled(self, record: MLLMRecord, counts: dict[str, list[int]], ids: list[int], offsets: list,
