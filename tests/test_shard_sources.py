@@ -180,15 +180,20 @@ def write_bad_members(shard: Path, rows: list[dict]) -> Path:
     return shard
 
 
+def checked_after_cutting_the_tail(shard: Path, source: Path, tmp_path: Path):
+    """``check_data``'s report (decoding too) of ``source`` after ``shard``'s last member is cut short: its header and
+    4 bytes of its data kept."""
+    data = shard.read_bytes()
+    shard.write_bytes(data[:data.index(b"tail.json") + 512 + 4])
+    cfg = kit.compose_config(RECIPE, [f"data.sources=[{source}]", f"data.cache_dir={tmp_path / 'cache'}"])
+    return check_records(cfg, RECIPE, decode=True, workers=1)
+
+
 def test_check_data_names_each_bad_member_by_shard_and_key(rows, tmp_path):
     """A shard with one of each bad member: invalid JSON, a key without a record, a medium that is no member and
     no file, an image whose body does not decode, and a last member cut short by the end of the file."""
     shard = write_bad_members(tmp_path / "bad.tar", rows)
-    data = shard.read_bytes()
-    end = data.index(b"tail.json") + 512 + 4  # the last member's header and 4 bytes of its data
-    shard.write_bytes(data[:end])
-    cfg = kit.compose_config(RECIPE, [f"data.sources=[{shard}]", f"data.cache_dir={tmp_path / 'cache'}"])
-    report = check_records(cfg, RECIPE, decode=True, workers=1)
+    report = checked_after_cutting_the_tail(shard, shard, tmp_path)
     assert {bad.origin: (bad.reason, bad.stage) for bad in report.records.values()} == {
         f"{shard}#broken": ("invalid_json", "read"), f"{shard}#orphan": ("no_record_member", "read"),
         f"{shard}#absent": ("missing_image", "read"), f"{shard}#cut": ("corrupt_image", "decode"),
@@ -316,10 +321,7 @@ def test_check_data_names_each_bad_member_of_an_energon_source_by_shard_and_key(
     folder.mkdir()
     shard = write_bad_members(folder / "bad.tar", rows)
     prepare_energon(folder, ["bad.tar"], [])
-    data = shard.read_bytes()
-    shard.write_bytes(data[:data.index(b"tail.json") + 512 + 4])  # cut short after preparing: the index outlives it
-    cfg = kit.compose_config(RECIPE, [f"data.sources=[{folder}]", f"data.cache_dir={tmp_path / 'cache'}"])
-    report = check_records(cfg, RECIPE, decode=True, workers=1)
+    report = checked_after_cutting_the_tail(shard, folder, tmp_path)  # after preparing: the index outlives the bytes
     assert {bad.origin: (bad.reason, bad.stage) for bad in report.records.values()} == {
         f"{shard}#broken": ("invalid_json", "read"), f"{shard}#orphan": ("no_record_member", "read"),
         f"{shard}#absent": ("missing_image", "read"), f"{shard}#cut": ("corrupt_image", "decode"),
