@@ -88,5 +88,5 @@ def pytest_testnodedown(node, error):
 def pytest_terminal_summary(terminalreporter):
     from mvp_engine.engine.testkit.launch import RUN_COUNTS
 
-    counts = ", ".join(f"{how} {RUN_COUNTS[how]}" for how in ("launched", "pooled", "in-process"))
+    counts = ", ".join(f"{how} {RUN_COUNTS[how]}" for how in ("launched", "pooled", "forked", "in-process"))
     terminalreporter.write_line(f"trainings: {counts}")

@@ -1,9 +1,9 @@
 """Checkpoints and resume, for real: a resumed run logs exactly the metrics the uninterrupted run logged.
 
 References run with a checkpoint after every step; resumes start from one of those (mid-epoch or at the epoch
-boundary) under another ``num_workers``, or from whatever a SIGKILLed or SIGTERMed run left behind. 1 and 2
-processes (torchrun, gloo), greedy (streaming dataset) and bfd (map-style dataset). Resuming on another world size:
-``tests/test_elastic.py``.
+boundary) under another ``num_workers``, or from whatever a SIGKILLed run (forked ranks) or a SIGTERMed torchrun
+launch left behind. 1 and 2 processes (gloo), greedy (streaming dataset) and bfd (map-style dataset). Resuming on
+another world size: ``tests/test_elastic.py``.
 """
 
 from __future__ import annotations
@@ -102,24 +102,16 @@ def wait_for(predicate, proc, timeout: float = 240) -> None:
         time.sleep(0.05)
 
 
-def kill_tree(proc) -> None:
-    """SIGKILL the launcher and every process under it at once (torchrun's workers have sessions of their own)."""
-    family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-    for member in family:
-        member.send_signal(signal.SIGKILL)
-    psutil.wait_procs(family, timeout=60)
-    proc.wait(timeout=60)
-
-
 @pytest.mark.parametrize("nproc,packing,sharding", [(1, "bfd", "none"), (2, "greedy", "none"), (2, "greedy", "fsdp2")])
 def test_sigkill_then_resume_auto_reproduces_the_uninterrupted_run(references, data, tmp_path, nproc, packing,
                                                                    sharding):
-    """Under FSDP2 too: every rank's shards of model and optimizer come back from its own DCP file."""
+    """Under FSDP2 too: every rank's shards of model and optimizer come back from its own DCP file. The killed ranks
+    are forked training processes (``kit.start_forked``), SIGKILLed at once wherever they are."""
     expected = kit.read_metrics(references(nproc, packing, sharding))
     overrides = [*common(data, packing), "train.save_every_steps=2", "train.keep_last=1", f"train.sharding={sharding}"]
-    proc = kit.start(RECIPE, tmp_path, overrides, nproc=nproc)
-    wait_for(lambda: (tmp_path / CHECKPOINTS / "step_00000002").is_dir(), proc)
-    kill_tree(proc)
+    run = kit.start_forked(RECIPE, tmp_path, overrides, nproc=nproc)
+    run.wait_until(lambda: (tmp_path / CHECKPOINTS / "step_00000002").is_dir())
+    run.kill()
     assert not (tmp_path / "summary.json").exists(), "the run finished before it was killed"
     logged = kit.read_metrics(tmp_path)
     assert logged == expected[:len(logged)], "metrics.jsonl holds every step trained before the kill"

@@ -39,7 +39,6 @@ from mvp_engine.kit.mllm.data import (
 )
 from tests.fakes import FakeEncoder
 from tests.test_elastic import assert_same_training
-from tests.test_resume import kill_tree, wait_for
 from tests.test_shard_sources import write_shards
 
 RECIPE = "llava"
@@ -228,9 +227,9 @@ def test_a_stream_mode_run_trains_max_steps_and_names_its_bad_records(reference)
 def test_sigkill_then_resume_auto_continues_the_stream_bit_exactly(reference, data, tmp_path):
     expected = kit.read_metrics(reference)
     overrides = [*common(data, 2), "train.save_every_steps=2", "train.keep_last=1"]
-    proc = kit.start(RECIPE, tmp_path, overrides)
-    wait_for(lambda: (tmp_path / CHECKPOINTS / "step_00000002").is_dir(), proc)
-    kill_tree(proc)
+    run = kit.start_forked(RECIPE, tmp_path, overrides)
+    run.wait_until(lambda: (tmp_path / CHECKPOINTS / "step_00000002").is_dir())
+    run.kill()
     assert not (tmp_path / "summary.json").exists(), "the run finished before it was killed"
     kit.train(RECIPE, tmp_path, [*overrides, "train.resume_from=auto"])
     assert kit.read_metrics(tmp_path) == expected

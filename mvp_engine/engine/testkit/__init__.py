@@ -20,7 +20,8 @@ the checks live in its modules:
   recomputes (every layer runs again in backward; fewer bytes saved for backward).
 - ``launch``: real ``python -m`` / torchrun launches of a recipe, their metrics, summaries and final weights.
 - ``runs``: the same trainings without a fresh interpreter each (one process in the test's, several in a pool of
-  rank workers), a session cache of reference runs, and one shared mixed data set.
+  rank workers, or forked ranks for a test to kill), a session cache of reference runs, and one shared mixed data
+  set.
 - ``records``: demo-like records with real image files (and tiny clips written with PyAV).
 - ``validate``: every soft check of ``tools/validate_recipe.py`` on a recipe's real run (``data_checks``,
   ``model_checks``), one ``PASS|FAIL name: evidence`` line each, and the seed's hard checks.
@@ -81,7 +82,7 @@ from .records import (
     write_mixed_jsonl,
     write_video,
 )
-from .runs import RankPool, cached_run, shared_mixed_jsonl, train
+from .runs import ForkedRun, RankPool, cached_run, shared_mixed_jsonl, start_forked, train
 from .smoke import check_smoke_summary, smoke_run
 from .structure import (
     PACKINGS,
@@ -140,9 +141,11 @@ __all__ = [
     "hard_commands",
     "image",
     "launch",
+    "ForkedRun",
     "RankPool",
     "cached_run",
     "shared_mixed_jsonl",
+    "start_forked",
     "train",
     "load_recipe",
     "max_weight_difference",

@@ -26,15 +26,16 @@ LAUNCH_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", DEVICE_ENV: "cpu"
 # epoch of each run (up to 4 per rank on a large CI machine), which runs of a few steps never repay; any count gives
 # the same batches, and a test's own train.num_workers, given after these, still wins
 KIT_OVERRIDES = ("train.num_workers=0",)
-# trainings of this test session by how they ran: "launched" (a fresh interpreter per process, here), "in-process"
-# and "pooled" (``runs.py``); printed at the session's end
+# trainings of this test session by how they ran: "launched" (a fresh interpreter per process, here), "in-process",
+# "pooled" and "forked" (``runs.py``); printed at the session's end
 RUN_COUNTS: Counter = Counter()
 # set by ``make test-fast``: a test that starts processes there is missing its ``launch`` marker
 NO_LAUNCH_ENV = "VLM_PACKING_NO_LAUNCH"
 
 
 def count_launch(how: str) -> None:
-    """Count a training (``how``: launched / pooled / in-process); starting processes is refused in the fast lane."""
+    """Count a training (``how``: launched / pooled / forked / in-process); starting processes is refused in the
+    fast lane."""
     if how != "in-process" and os.environ.get(NO_LAUNCH_ENV) == "1":
         raise AssertionError(f"this test starts processes ({how}) in the fast lane: mark it `launch` or `slow`")
     RUN_COUNTS[how] += 1

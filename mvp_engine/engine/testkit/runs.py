@@ -8,8 +8,9 @@ session's conftest starts it when it collects the first test that starts process
 collection), and then runs each requested training as a launched rank would: the environment torchrun sets
 (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, a fresh ``MASTER_PORT``), accelerate's state reset, the run's own
 process group set up and torn down by ``run_recipe``, one torch thread. What a run returns is what a launch
-returns (exit status, stdout, stderr), so a test reads either the same way. Real launches stay where the process
-boundary is the point: signals, kills, the command line, the interpreter's exit.
+returns (exit status, stdout, stderr), so a test reads either the same way. A run a test kills mid-way
+(``start_forked``) is forked from the same server, its ranks processes of their own. Real launches stay where the
+launcher or the interpreter is the point: torchrun's signal handling, the command line, the interpreter's exit.
 
 Every training is counted (``launch.RUN_COUNTS``); the session prints the counts at its end.
 """
@@ -31,9 +32,10 @@ import threading
 import time
 import traceback
 from collections.abc import Sequence
-from contextlib import contextmanager, redirect_stderr, redirect_stdout
+from contextlib import contextmanager, redirect_stderr, redirect_stdout, suppress
 from pathlib import Path
 
+import psutil
 import torch
 import torch.multiprocessing as mp
 
@@ -321,6 +323,73 @@ def spawn_on_pool(fn, args: tuple = (), nprocs: int = 1, join: bool = True, **_)
     if not join:
         raise NotImplementedError("spawn_on_pool runs the ranks to their end (join=True)")
     run_on_ranks(nprocs, fn, *args)
+
+
+def _forked_rank(rank: int, nproc: int, environ: dict, port: int, args: tuple, log: str) -> None:
+    """One rank of a ``ForkedRun``: the training job as a launched rank runs it, exiting with its status."""
+    os.environ.clear()
+    os.environ.update(environ)
+    if nproc > 1:  # torchrun's environment; a single launched process has none
+        os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+                           "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    multiprocessing.set_start_method("fork", force=True)
+    raise SystemExit(_call(TRAIN_JOB, args, Path(f"{log}.rank{rank}"))[0])
+
+
+class ForkedRun:
+    """A training on ``nproc`` ranks, each a process of its own forked from the session's fork server, for a test
+    to kill mid-way (``start_forked``): a SIGKILL lands on a training process as it would on a launched rank,
+    without the ~10 s per process a fresh interpreter spends importing before its first step."""
+
+    def __init__(self, recipe: str, run_dir: Path, overrides: Sequence[str], nproc: int):
+        start_fork_server()
+        context = mp.get_context("forkserver")
+        self.log, port = _log(), _free_port()
+        args = (recipe, str(run_dir), [*overrides])
+        environ = {**os.environ, **LAUNCH_ENV}
+        with _launch_env():
+            self.ranks = [context.Process(target=_forked_rank, args=(rank, nproc, environ, port, args, str(self.log)))
+                          for rank in range(nproc)]
+            for process in self.ranks:
+                process.start()
+
+    def wait_until(self, predicate, timeout: float = 240) -> None:
+        """Return once ``predicate()`` holds; fail with the ranks' stderr if the run ends first or ``timeout``
+        passes (the run is killed)."""
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if any(process.exitcode is not None for process in self.ranks):
+                raise AssertionError(f"the run ended before the test could interrupt it:\n{self.stderr()[-4000:]}")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise AssertionError(f"timed out waiting for the run:\n{self.stderr()[-4000:]}")
+            time.sleep(0.05)
+
+    def stderr(self) -> str:
+        paths = (Path(f"{self.log}.rank{rank}.err") for rank in range(len(self.ranks)))
+        return "".join(path.read_text() for path in paths if path.is_file())
+
+    def kill(self) -> None:
+        """SIGKILL every rank and every process under it at once."""
+        family = []
+        for process in self.ranks:
+            if process.is_alive():
+                with suppress(psutil.NoSuchProcess):
+                    rank = psutil.Process(process.pid)
+                    family += [rank, *rank.children(recursive=True)]
+        for member in family:
+            with suppress(psutil.NoSuchProcess):
+                member.send_signal(signal.SIGKILL)
+        psutil.wait_procs(family, timeout=60)
+        for process in self.ranks:
+            process.join(timeout=60)
+
+
+def start_forked(recipe: str, run_dir: Path, overrides: Sequence[str] = (), nproc: int = 1) -> ForkedRun:
+    """A training of ``recipe`` into ``run_dir`` on ``nproc`` ranks, running in the background for the test to
+    kill (``ForkedRun.kill``); a test that signals a launcher (torchrun) starts a real launch (``launch.start``)."""
+    count_launch("forked")
+    return ForkedRun(recipe, Path(run_dir), overrides, nproc)
 
 
 _CACHE: dict[tuple, Path] = {}
