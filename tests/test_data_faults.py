@@ -10,7 +10,7 @@ ranks in step under ``skip`` and stops every rank together under ``error``.
 from __future__ import annotations
 
 import json
-import subprocess
+import runpy
 import sys
 from pathlib import Path
 
@@ -25,6 +25,7 @@ from mvp_engine.kit.mllm.data import MLLMRecord, MLLMRecordError
 RECIPE = "qwen2_vl"
 DECODE_STAGE = {"corrupt_image"}
 MEASURE_STAGE = {"unreadable_image"}
+CHECK_TOOL = kit.CONF_DIR.parent / "tools" / "check_data.py"
 
 
 @pytest.fixture(scope="module")
@@ -72,18 +73,22 @@ def test_with_half_allowed_it_trains_to_the_end_and_every_record_is_accounted_fo
     assert sum(e["samples_trained"] for e in summary["epochs"]) == summary["totals"]["samples"]
 
 
-@pytest.mark.launch
-def test_check_data_lists_every_bad_record_in_one_run(messy, tmp_path):
+def test_check_data_lists_every_bad_record_in_one_run(messy, tmp_path, monkeypatch, capsys):
+    """``tools/check_data.py --decode`` with 2 workers, run as its command runs it (``__main__``, the arguments on
+    ``sys.argv``) in this process, its exit status the ``SystemExit`` it raises: a fresh interpreter cost 10-15 s of
+    imports (the command in its own process: ``tests/test_source_kinds.py``)."""
     data, expected = messy
-    cmd = [sys.executable, "tools/check_data.py", "--decode", f"data.sources=[{data}]", f"hydra.run.dir={tmp_path}",
-           "+check.workers=2"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=kit.CONF_DIR.parent)
-    assert result.returncode == 1, result.stderr[-2000:]
+    monkeypatch.setattr(sys, "argv", ["tools/check_data.py", "--decode", f"data.sources=[{data}]",
+                                      f"hydra.run.dir={tmp_path}", "+check.workers=2"])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(CHECK_TOOL), run_name="__main__")
+    stdout, stderr = capsys.readouterr()
+    assert exit_.value.code == 1, stderr[-2000:]
     report = read_report(tmp_path / "bad_records.jsonl")
     assert {origin: bad["reason"] for origin, bad in report.items()} == expected
-    assert f"300 records read, {len(expected)} bad" in result.stdout
+    assert f"300 records read, {len(expected)} bad" in stdout
     for reason in set(expected.values()):
-        assert f" {reason} " in result.stdout
+        assert f" {reason} " in stdout
 
 
 def test_the_qwen2_vl_processor_refusing_an_image_is_a_bad_record_not_a_crash(tmp_path):
