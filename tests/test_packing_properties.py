@@ -41,7 +41,9 @@ specs = st.builds(
 def samples(draw, max_len=300, max_count=60):
     n = draw(st.integers(0, max_count))
     media = draw(st.lists(st.integers(0, 3), min_size=n, max_size=n))
-    lengths = [draw(st.integers(4 * m + 1, max(4 * m + 1, max_len))) for m in media]
+    # one length strategy per media count, built once: building one per sample was half of generating an example
+    length_of = [st.integers(4 * m + 1, max(4 * m + 1, max_len)) for m in range(4)]
+    lengths = [draw(length_of[m]) for m in media]
     return lengths, media
 
 
