@@ -19,6 +19,7 @@ from mvp_engine.engine.config import ConfigError, resolve_attention, resolve_run
 from mvp_engine.engine.demo import with_demo_data
 from mvp_engine.engine.device import cuda_in_use
 from mvp_engine.engine.entry import run_recipe
+from mvp_engine.engine.testkit.launch import count_launch
 from mvp_engine.engine.trainer import Trainer
 
 CONF = kit.CONF_DIR
@@ -39,6 +40,7 @@ def test_accelerate_launch_with_a_config_trains_two_processes_in_one_run_directo
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["accelerate.commands.launch", *argv])
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
+    count_launch("launched")
     try:
         accelerate_launch.main()  # a rank that fails raises (torchrun's ChildFailedError), as the command exits 1
     finally:

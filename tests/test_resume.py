@@ -1,20 +1,20 @@
 """Checkpoints and resume, for real: a resumed run logs exactly the metrics the uninterrupted run logged.
 
 References run with a checkpoint after every step; resumes start from one of those (mid-epoch or at the epoch
-boundary) under another ``num_workers``, or from whatever a SIGKILLed run (forked ranks) or a SIGTERMed torchrun
-launch left behind. 1 and 2 processes (gloo), greedy (streaming dataset) and bfd (map-style dataset). Resuming on
-another world size: ``tests/test_elastic.py``.
+boundary) under another ``num_workers``, or from whatever a SIGKILLed or SIGTERMed run left behind (its ranks
+forked processes, ``kit.start_forked``). 1 and 2 processes (gloo), greedy (streaming dataset) and bfd (map-style
+dataset). Resuming on another world size: ``tests/test_elastic.py``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 import mvp_engine.engine.testing as kit
@@ -91,17 +91,6 @@ def test_a_compute_balanced_epoch_trains_the_same_samples_and_times_each_ranks_w
     assert len(raw) == len([m for m in kit.read_metrics(references(2, "greedy")) if m["epoch"] == 0])
 
 
-def wait_for(predicate, proc, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if proc.poll() is not None:
-            raise AssertionError(f"the run ended before the test could interrupt it:\n{proc.stderr.read()[-4000:]}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError("timed out waiting for the run")
-        time.sleep(0.05)
-
-
 @pytest.mark.parametrize("nproc,packing,sharding", [(1, "bfd", "none"), (2, "greedy", "none"), (2, "greedy", "fsdp2")])
 def test_sigkill_then_resume_auto_reproduces_the_uninterrupted_run(references, data, tmp_path, nproc, packing,
                                                                    sharding):
@@ -123,18 +112,17 @@ def test_sigkill_then_resume_auto_reproduces_the_uninterrupted_run(references, d
 
 
 def test_sigterm_on_one_rank_stops_every_rank_with_a_checkpoint_and_exit_0(references, data, tmp_path):
+    """What a scheduler's preemption does to one rank (forked ranks, ``kit.start_forked``): the other stops at the
+    same step, both save and exit 0 inside torchrun's 30 s grace period."""
     expected = kit.read_metrics(references(2, "greedy"))
     overrides = common(data, "greedy")
-    proc = kit.start(RECIPE, tmp_path, overrides, nproc=2)
-    wait_for(lambda: (tmp_path / "metrics.jsonl").is_file() and len(kit.read_metrics(tmp_path)) >= 2, proc)
-    workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if "recipes.qwen2_vl.train" in
-               " ".join(p.cmdline()) and p.environ().get("RANK") == "1"]
-    assert len(workers) == 1, workers
+    run = kit.start_forked(RECIPE, tmp_path, overrides, nproc=2)
+    run.wait_until(lambda: (tmp_path / "metrics.jsonl").is_file() and len(kit.read_metrics(tmp_path)) >= 2)
     signalled = time.monotonic()
-    workers[0].send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
+    os.kill(run.ranks[1].pid, signal.SIGTERM)
+    statuses = run.wait(timeout=120)
     stop_seconds = time.monotonic() - signalled
-    assert proc.returncode == 0, err[-4000:]
+    assert statuses == [0, 0], run.stderr()[-4000:]
     summary = kit.read_summary(tmp_path)
     assert summary["stopped_by"] == "SIGTERM" and summary["actual_steps"] < len(expected)
     assert summary["steps_per_rank_this_session"][0] == summary["steps_per_rank_this_session"][1]

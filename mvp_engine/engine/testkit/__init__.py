@@ -61,7 +61,7 @@ from .equivalence import (
     without_linear_boundaries,
 )
 from .evidence import CheckResult, first_line
-from .launch import LAUNCH_ENV, final_weights, launch, max_weight_difference, read_metrics, read_summary, start
+from .launch import LAUNCH_ENV, final_weights, launch, max_weight_difference, read_metrics, read_summary
 from .participation import check_dummy_media_pass, check_unreachable_parameters_are_unreachable
 from .recipe_run import validation_config
 from .recompute import RECOMPUTE_TOL, RecomputeReport, run_recompute_check
@@ -157,7 +157,6 @@ __all__ = [
     "run_recompute_check",
     "runnable_backends",
     "smoke_run",
-    "start",
     "system",
     "text",
     "transformers_processor",

@@ -1,5 +1,6 @@
-"""Real training launches for multi-process and resume tests: ``python -m recipes.<name>.train`` for one process,
-``torch.distributed.run`` (torchrun) for several, each with a timeout so a hang fails instead of blocking CI."""
+"""Real training launches (``python -m recipes.<name>.train`` for one process, ``torch.distributed.run`` (torchrun)
+for several, each with a timeout so a hang fails instead of blocking CI: the benches' runs), the environment every
+training of the suite runs in, its training counts, and reading a run's metrics, summary and final weights."""
 
 from __future__ import annotations
 
@@ -73,14 +74,6 @@ def launch(recipe: str, run_dir: Path, overrides=(), nproc: int = 1, timeout: fl
         raise AssertionError(f"{' '.join(cmd)} exited {result.returncode}:\n{result.stdout[-3000:]}\n"
                              f"{result.stderr[-6000:]}")
     return result
-
-
-def start(recipe: str, run_dir: Path, overrides=(), nproc: int = 1) -> subprocess.Popen:
-    """Start a training in the background (to be signalled or killed by the test)."""
-    cmd = train_command(recipe, nproc) + run_overrides(run_dir, [*KIT_OVERRIDES, *overrides])
-    count_launch("launched")
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT,
-                            env={**os.environ, **LAUNCH_ENV}, start_new_session=True)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

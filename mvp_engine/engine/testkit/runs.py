@@ -8,9 +8,9 @@ session's conftest starts it when it collects the first test that starts process
 collection), and then runs each requested training as a launched rank would: the environment torchrun sets
 (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, a fresh ``MASTER_PORT``), accelerate's state reset, the run's own
 process group set up and torn down by ``run_recipe``, one torch thread. What a run returns is what a launch
-returns (exit status, stdout, stderr), so a test reads either the same way. A run a test kills mid-way
+returns (exit status, stdout, stderr), so a test reads either the same way. A run a test signals or kills mid-way
 (``start_forked``) is forked from the same server, its ranks processes of their own. Real launches stay where the
-launcher or the interpreter is the point: torchrun's signal handling, the command line, the interpreter's exit.
+launcher or the interpreter is the point: a launcher's own behaviour, the command line, the interpreter's exit.
 
 Every training is counted (``launch.RUN_COUNTS``); the session prints the counts at its end.
 """
@@ -338,8 +338,8 @@ def _forked_rank(rank: int, nproc: int, environ: dict, port: int, args: tuple, l
 
 class ForkedRun:
     """A training on ``nproc`` ranks, each a process of its own forked from the session's fork server, for a test
-    to kill mid-way (``start_forked``): a SIGKILL lands on a training process as it would on a launched rank,
-    without the ~10 s per process a fresh interpreter spends importing before its first step."""
+    to signal or kill mid-way (``start_forked``): a SIGTERM or SIGKILL lands on a training process as it would on a
+    launched rank, without the ~10 s per process a fresh interpreter spends importing before its first step."""
 
     def __init__(self, recipe: str, run_dir: Path, overrides: Sequence[str], nproc: int):
         start_fork_server()
@@ -365,6 +365,16 @@ class ForkedRun:
                 raise AssertionError(f"timed out waiting for the run:\n{self.stderr()[-4000:]}")
             time.sleep(0.05)
 
+    def wait(self, timeout: float) -> list[int]:
+        """Each rank's exit status once every rank has ended; fails (the run killed) after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        for process in self.ranks:
+            process.join(max(0.0, deadline - time.monotonic()))
+        if any(process.exitcode is None for process in self.ranks):
+            self.kill()
+            raise AssertionError(f"the run did not end in {timeout} s:\n{self.stderr()[-4000:]}")
+        return [process.exitcode for process in self.ranks]
+
     def stderr(self) -> str:
         paths = (Path(f"{self.log}.rank{rank}.err") for rank in range(len(self.ranks)))
         return "".join(path.read_text() for path in paths if path.is_file())
@@ -387,7 +397,8 @@ class ForkedRun:
 
 def start_forked(recipe: str, run_dir: Path, overrides: Sequence[str] = (), nproc: int = 1) -> ForkedRun:
     """A training of ``recipe`` into ``run_dir`` on ``nproc`` ranks, running in the background for the test to
-    kill (``ForkedRun.kill``); a test that signals a launcher (torchrun) starts a real launch (``launch.start``)."""
+    signal (``ForkedRun.ranks``' pids) or kill (``ForkedRun.kill``); a test of a launcher's own behaviour starts a
+    real launch (``launch.start``)."""
     count_launch("forked")
     return ForkedRun(recipe, Path(run_dir), overrides, nproc)
 
