@@ -7,11 +7,13 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup train-demo test test-fast lint bench
 
+# pip installs torch (its configuration finds the CPU build on this disk); uv installs the rest, downloading and
+# byte-compiling in parallel: the same versions as pip's in half the time here (41 s against 88 s), torch kept
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q --upgrade pip 'uv>=0.9,<1'
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(VENV)/bin/uv pip install -q --python $(PY) --compile-bytecode -e '.[dev]'
 	touch $(STAMP)
 
 setup: $(STAMP)
