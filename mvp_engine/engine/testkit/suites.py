@@ -21,6 +21,7 @@ import pytest
 
 import mvp_engine.engine.testkit as kit
 from mvp_engine.packing import ATTENTION_BACKENDS, BACKENDS
+from mvp_engine.packing.backends import FLEX
 
 from ..config import AUTO_ATTENTION, ConfigError, check_attention, resolve_attention
 from ..lora import LoraSpec
@@ -42,8 +43,13 @@ def inherited_markers(cls: type, name: str) -> list[str]:
 
 def backend_params(backends, training: bool) -> list:
     """``backends`` as pytest parameters, those that need CUDA for the case (``kit.needs_cuda``) marked ``gpu``:
-    on a GPU machine they run there, every other case runs as on a CPU machine (``conftest.py``)."""
-    return [pytest.param(b, marks=pytest.mark.gpu) if kit.needs_cuda(b, training) else b for b in backends]
+    on a GPU machine they run there, every other case runs as on a CPU machine (``conftest.py``). flex_attention
+    cases are ``slow``: each compiles its kernel (10-25 s on a CPU), so CI runs them and ``make test-fast`` not."""
+    def marks(backend: str) -> list:
+        return [mark for mark, applies in ((pytest.mark.gpu, kit.needs_cuda(backend, training)),
+                                           (pytest.mark.slow, backend == FLEX)) if applies]
+
+    return [pytest.param(b, marks=marks(b)) for b in backends]
 
 
 _CASES: dict[str, kit.EquivalenceCase] = {}
