@@ -35,7 +35,6 @@ from collections.abc import Sequence
 from contextlib import contextmanager, redirect_stderr, redirect_stdout, suppress
 from pathlib import Path
 
-import psutil
 import torch
 import torch.multiprocessing as mp
 
@@ -326,7 +325,9 @@ def spawn_on_pool(fn, args: tuple = (), nprocs: int = 1, join: bool = True, **_)
 
 
 def _forked_rank(rank: int, nproc: int, environ: dict, port: int, args: tuple, log: str) -> None:
-    """One rank of a ``ForkedRun``: the training job as a launched rank runs it, exiting with its status."""
+    """One rank of a ``ForkedRun``: the training job as a launched rank runs it, exiting with its status; the
+    leader of a process group of its own, so a kill reaches what it starts (DataLoader workers) too."""
+    os.setpgrp()
     os.environ.clear()
     os.environ.update(environ)
     if nproc > 1:  # torchrun's environment; a single launched process has none
@@ -381,16 +382,9 @@ class ForkedRun:
 
     def kill(self) -> None:
         """SIGKILL every rank and every process under it at once."""
-        family = []
         for process in self.ranks:
-            if process.is_alive():
-                with suppress(psutil.NoSuchProcess):
-                    rank = psutil.Process(process.pid)
-                    family += [rank, *rank.children(recursive=True)]
-        for member in family:
-            with suppress(psutil.NoSuchProcess):
-                member.send_signal(signal.SIGKILL)
-        psutil.wait_procs(family, timeout=60)
+            with suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
         for process in self.ranks:
             process.join(timeout=60)
 
@@ -398,7 +392,7 @@ class ForkedRun:
 def start_forked(recipe: str, run_dir: Path, overrides: Sequence[str] = (), nproc: int = 1) -> ForkedRun:
     """A training of ``recipe`` into ``run_dir`` on ``nproc`` ranks, running in the background for the test to
     signal (``ForkedRun.ranks``' pids) or kill (``ForkedRun.kill``); a test of a launcher's own behaviour starts a
-    real launch (``launch.start``)."""
+    real launch (``launch.launch``)."""
     count_launch("forked")
     return ForkedRun(recipe, Path(run_dir), overrides, nproc)
 
