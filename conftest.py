@@ -2,8 +2,8 @@
 other test runs as on a CPU machine (``VLM_PACKING_DEVICE=cpu``, ``mvp_engine/engine/device.py``), so the suite's
 CPU claims hold on a GPU machine too. Every test session measures into its own cache folder (so do the processes
 tests launch, which inherit the environment): a user's ``~/.cache/vlm_packing`` is never read or written by the
-tests. The session ends with how many trainings ran and how (launched interpreters, pooled multi-rank runs,
-in-process runs; summed over pytest-xdist's workers): the suite's cost is counted, not guessed."""
+tests. The session ends with how many trainings ran and how (launched interpreters, pooled multi-rank runs, forked
+runs a test kills, in-process runs; summed over pytest-xdist's workers): the suite's cost is counted, not guessed."""
 
 import os
 import tempfile
@@ -49,10 +49,10 @@ def pytest_collection_modifyitems(config, items):
 
 def long_modules_first(items) -> None:
     """Modules that start processes or hold slow tests run first. Why: pytest-xdist's loadscope hands whole modules
-    to the workers in collection order, so a long module collected late (``tests/test_resume.py``, about 130 s of
-    launches) could run alone at the end while the other worker idled; starting the long ones first leaves the short
-    in-process modules to even out the end (measured on this machine: the suite's wall 526 -> 482 s). The order
-    within a module is kept."""
+    to the workers in collection order, so a long module collected late (``tests/test_resume.py``, about 120 s of
+    multi-rank runs) could run alone at the end while the other worker idled; starting the long ones first leaves
+    the short in-process modules to even out the end (measured on this machine: the suite's wall 526 -> 482 s). The
+    order within a module is kept."""
     long = {item.nodeid.split("::")[0] for item in items
             if item.get_closest_marker("launch") or item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.nodeid.split("::")[0] not in long)

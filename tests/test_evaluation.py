@@ -16,7 +16,6 @@ import huggingface_hub.constants
 import pytest
 import torch
 import yaml
-from accelerate.state import AcceleratorState
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -26,11 +25,10 @@ from mvp_engine.engine import trackers
 from mvp_engine.engine.checkpoint import CHECKPOINTS
 from mvp_engine.engine.config import ConfigError, resolve_run_specs
 from mvp_engine.engine.entry import run_recipe
-from mvp_engine.engine.evaluate import EVAL_FILE, JOB_NAME, evaluate, evaluate_recipe
+from mvp_engine.engine.evaluate import EVAL_FILE, evaluate, evaluate_recipe
 from mvp_engine.engine.evaluation import EVAL_LOSS, NO_LOSS, describe, eval_metrics
-from mvp_engine.engine.testkit.launch import KIT_OVERRIDES
 from mvp_engine.engine.testkit.records import write_messy_jsonl
-from mvp_engine.engine.testkit.runs import run_on_ranks
+from mvp_engine.engine.testkit.runs import evaluate_job, run_on_ranks
 from mvp_engine.kit.mllm.data import TooManyBadRecords
 
 RECIPE = "llava"
@@ -233,22 +231,13 @@ def test_the_model_loads_with_the_model_hub_off(data, saved, tmp_path, monkeypat
     assert seen == [True] and huggingface_hub.constants.HF_HUB_OFFLINE == before
 
 
-def evaluate_on_rank(rank: int, out: str, overrides: list[str]) -> None:
-    """One rank of ``torchrun -m recipes.llava.evaluate <overrides>`` writing to ``out``: the entry's body
-    (``evaluate_recipe``) on the config its Hydra composes, with the kit's overrides a launch adds; run on the
-    session's pooled ranks (torchrun's environment), not in fresh interpreters."""
-    AcceleratorState._reset_state(reset_partial_state=True)  # the last pooled call's process group is gone
-    evaluate_recipe(kit.compose_config(RECIPE, [f"hydra.job.name={JOB_NAME}", f"train.output_dir={out}",
-                                                *KIT_OVERRIDES, *overrides]), kit.load_recipe(RECIPE))
-
-
 @pytest.mark.launch
 def test_two_context_parallel_ranks_evaluate_what_one_process_does(reference, data, tmp_path):
     """2 gloo ranks with ``train.context_parallel_size=2``: each rank computes the loss of its half of every row, the
     sums are reduced, rows and samples are counted once. (2 data-parallel ranks, each with its own packs: the FSDP2
     run below.)"""
     one = stand_alone(reference / "model", data, tmp_path / "one", "+packing=greedy", "train.micro_batch_size=1")
-    run_on_ranks(2, evaluate_on_rank, str(tmp_path / "two"), [
+    run_on_ranks(2, evaluate_job, RECIPE, str(tmp_path / "two"), [
         f"model.pretrained={reference / 'model'}", eval_sources(data), "data.max_seq_len=160", "+packing=greedy",
         "train.micro_batch_size=1", "train.context_parallel_size=2"])
     two = json.loads((tmp_path / "two" / EVAL_FILE).read_text())

@@ -75,17 +75,33 @@ def _as_launched():
             os.environ[DEVICE_ENV] = device
 
 
+def _entry_config(recipe: str, run_dir: str, overrides: Sequence[str], first: Sequence[str] = ()):
+    """The config an entry point's command line composes for a run writing to ``run_dir``, with the kit's launch
+    overrides; accelerate's state of the last run in this process (its process group is gone) dropped."""
+    from accelerate.state import AcceleratorState
+
+    from .structure import compose_config
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    return compose_config(recipe, [*first, f"train.output_dir={run_dir}", *KIT_OVERRIDES, *overrides])
+
+
 def _train_job(recipe: str, run_dir: str, overrides: Sequence[str]) -> None:
     """One run of ``recipes.<recipe>.train`` with ``overrides`` writing to ``run_dir``, as its command line would
     run it (``run_recipe``: a config or data error is one stderr line and exit status 1)."""
-    from accelerate.state import AcceleratorState
-
     from ..entry import run_recipe
-    from .structure import compose_config, load_recipe
+    from .structure import load_recipe
 
-    AcceleratorState._reset_state(reset_partial_state=True)  # the last run's process group is gone
-    run_recipe(compose_config(recipe, [f"train.output_dir={run_dir}", *KIT_OVERRIDES, *overrides]),
-               load_recipe(recipe))
+    run_recipe(_entry_config(recipe, run_dir, overrides), load_recipe(recipe))
+
+
+def evaluate_job(rank: int, recipe: str, run_dir: str, overrides: Sequence[str]) -> None:
+    """One rank of ``recipes.<recipe>.evaluate`` with ``overrides`` writing to ``run_dir``, as its command line
+    would run it (for ``run_on_ranks``: its ranks are torchrun's, not fresh interpreters)."""
+    from ..evaluate import JOB_NAME, evaluate_recipe
+    from .structure import load_recipe
+
+    evaluate_recipe(_entry_config(recipe, run_dir, overrides, [f"hydra.job.name={JOB_NAME}"]), load_recipe(recipe))
 
 
 def _call(target: str, args: tuple, log: Path) -> tuple[int, object, str, str]:
